@@ -1,0 +1,75 @@
+"""EngineConfig: every engine setting in one validated dataclass (CLI flags and QWENBATCH_* env)."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, fields
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'4GiB', '512MB', '1e9' or an int -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B?|B)?\s*", text)
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a size in bytes (e.g. 4GiB, 512MB)")
+    unit = (m.group(2) or "B").upper().rstrip("B") or "B"
+    scale = {"B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one engine. Names follow vLLM's flags where the concept is the same."""
+
+    model: str = "default"  # "default", a Hugging Face folder, a .gguf file, or a dummy shape name
+    load_format: str = "auto"  # "auto" or "dummy" (random weights of the model's shape)
+    dtype: str = "auto"  # auto: bfloat16, the fast dtype on CPU (float16 matmuls are ~100x slower there)
+    device: str = "cpu"
+    max_model_len: int | None = None  # default: the model's context length, capped by the KV pool
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; default: a quarter of available memory, at most 8 GiB
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.device != "cpu":
+            raise ValueError(f"device must be cpu (the CUDA path is not built yet), got {self.device!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.dtype == "auto" else DTYPES[self.dtype]
+
+    @classmethod
+    def from_env(cls, **overrides) -> EngineConfig:
+        """Defaults, then ``QWENBATCH_<FIELD>`` environment variables, then explicit overrides."""
+        values = {}
+        for f in fields(cls):
+            raw = os.environ.get(f"QWENBATCH_{f.name.upper()}")
+            if raw is None:
+                continue
+            if f.name == "kv_cache_memory":
+                values[f.name] = parse_bytes(raw)
+            elif f.type in ("int", "int | None"):
+                values[f.name] = int(raw)
+            else:
+                values[f.name] = raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)

@@ -1,0 +1,209 @@
+"""LLMEngine: requests in, one scheduled forward step at a time, finished outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from qwenbatch.config import EngineConfig
+from qwenbatch.engine.block_manager import BlockManager
+from qwenbatch.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
+from qwenbatch.engine.scheduler import Scheduler
+from qwenbatch.engine.sequence import Sequence
+from qwenbatch.layers.sampler import SamplingRow
+from qwenbatch.loader import load_model
+from qwenbatch.outputs import CompletionOutput, RequestOutput
+from qwenbatch.sampling_params import SamplingParams
+from qwenbatch.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_CAP = 8 * 2**30
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+
+
+class LLMEngine:
+    """Continuous batching over one model: ``add_request``, then ``step`` until ``has_unfinished`` is False."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.dtype = config.torch_dtype
+        device = torch.device(config.device)
+        torch.manual_seed(config.seed)
+        loaded = load_model(config.model, config.load_format, self.dtype, device, config.seed)
+        self.model_config = loaded.config
+        self.tokenizer = Tokenizer(loaded.tokenizer_dir, loaded.config.eos_token_ids) if loaded.tokenizer_dir else None
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else loaded.config.eos_token_ids
+
+        per_token = kv_cache_bytes_per_token(loaded.config, self.dtype)
+        kv_bytes = config.kv_cache_memory or min(DEFAULT_KV_CACHE_CAP, psutil.virtual_memory().available // 4)
+        num_blocks = kv_bytes // (per_token * config.block_size)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={kv_bytes} bytes holds no block of {config.block_size} tokens "
+                             f"({per_token} bytes per token)")
+        pool_tokens = num_blocks * config.block_size
+        self.max_model_len = self._resolve_max_model_len(pool_tokens)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, self.dtype, device)
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+
+    def _resolve_max_model_len(self, pool_tokens: int) -> int:
+        model_len = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len
+        if wanted is not None:
+            if wanted > pool_tokens:
+                raise ValueError(f"max_model_len={wanted} does not fit in the KV cache ({pool_tokens} tokens); "
+                                 "raise kv_cache_memory or lower max_model_len")
+            return wanted
+        if model_len > pool_tokens:
+            logger.warning("max_model_len capped from %d to %d: the KV cache holds no more", model_len, pool_tokens)
+        return min(model_len, pool_tokens)
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Queue a request; ValueError when it cannot fit (the message names the numbers)."""
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer (dummy weights): pass prompt token ids")
+            prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            prompt_text, token_ids = None, list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        n_prompt = len(token_ids)
+        if n_prompt >= self.max_model_len:
+            raise ValueError(f"the prompt has {n_prompt} tokens; max_model_len is {self.max_model_len}, "
+                             "which leaves no room to generate")
+        room = self.max_model_len - n_prompt
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room:
+            raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        seqs = []
+        for i in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator().manual_seed(params.seed + i)
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
+                                               params.include_stop_str_in_output)
+            seq = Sequence(next(self._seq_ids), request_id, i, list(token_ids), n_prompt, params, max_tokens,
+                           generator, detok, logprobs=[] if params.logprobs is not None else None)
+            seqs.append(seq)
+            self.scheduler.add(seq)
+        self._requests[request_id] = _Request(request_id, prompt_text, list(token_ids), seqs)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; unknown ids are ignored."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # -- stepping ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward step; returns the requests that finished during it."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        rows = [self._sampling_row(s.seq) for s in sched.scheduled if s.samples]
+        result = self.runner.execute(sched, rows)
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        sampled = [s.seq for s in sched.scheduled if s.samples]
+        touched: dict[str, _Request] = {}
+        for seq, token, lp, bad in zip(sampled, result.token_ids, result.logprobs, result.non_finite, strict=True):
+            self._append(seq, token, lp, bad)
+            if seq.is_finished:
+                touched[seq.request_id] = self._requests[seq.request_id]
+        finished = []
+        for req in touched.values():
+            if all(seq.is_finished for seq in req.seqs):
+                del self._requests[req.request_id]
+                finished.append(self._output(req))
+        return finished
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        p = seq.params
+        suppressed: tuple[int, ...] = ()
+        if seq.num_output_tokens < p.min_tokens:
+            suppressed = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
+        return SamplingRow(p, seq.output_token_ids, seq.prompt_token_ids if p.repetition_penalty != 1.0 else [],
+                           seq.generator, suppressed)
+
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, non_finite: bool) -> None:
+        if non_finite:
+            seq.error = (f"the model produced non-finite logits (NaN or inf) in {self.dtype}; "
+                         "this usually means the dtype overflows: try --dtype bfloat16")
+            logger.error("request %s failed: %s", seq.request_id, seq.error)
+            self._finish(seq, "error")
+            return
+        seq.token_ids.append(token)
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.append(logprobs)
+        p = seq.params
+        if token in p.stop_token_ids:
+            seq.stop_reason = token
+            self._finish(seq, "stop")
+            return
+        if token in self.eos_token_ids and not p.ignore_eos:
+            self._finish(seq, "stop")
+            return
+        if seq.detokenizer is not None:
+            stop_str = seq.detokenizer.add(token)
+            if stop_str is not None:
+                seq.stop_reason = stop_str
+                self._finish(seq, "stop")
+                return
+        if seq.num_output_tokens >= seq.max_tokens:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.detokenizer.text if seq.detokenizer else "",
+                token_ids=seq.output_token_ids,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                logprobs=seq.logprobs,
+                error=seq.error,
+            )
+            for seq in req.seqs
+        ]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, finished=True)

@@ -1,0 +1,59 @@
+"""Sequence: one generated continuation and its progress through the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from qwenbatch.sampling_params import SamplingParams
+from qwenbatch.tokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token ids (prompt then output), how many of them have K/V in the cache, and its blocks."""
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n samples
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    max_tokens: int  # resolved against max_model_len
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

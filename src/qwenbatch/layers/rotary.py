@@ -1,0 +1,47 @@
+"""Rotary position embeddings (the "neox" half-rotation layout Qwen uses)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to packed queries and keys given each token's absolute position.
+
+    The cos/sin table is computed in float32 and grown on demand, so a 262k-position model
+    pays only for the positions it actually sees.
+    """
+
+    def __init__(self, head_dim: int, base: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.base = base
+        self._cos = torch.empty(0)
+        self._sin = torch.empty(0)
+
+    def _table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos.shape[0] < length or self._cos.device != device:
+            size = max(length, 2 * self._cos.shape[0], 4096)
+            inv_freq = 1.0 / (
+                self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float()
+                              / self.head_dim)
+            )
+            freqs = torch.arange(size, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin = emb.cos(), emb.sin()
+        return self._cos, self._sin
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T] int64."""
+        cos_table, sin_table = self._table(int(positions.max()) + 1, positions.device)
+        cos = cos_table[positions].to(q.dtype)[:, None, :]
+        sin = sin_table[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,117 @@
+"""Batched sampling: penalties, min_tokens, greedy, temperature, top-k/top-p/min-p, per-request seeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qwenbatch.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs about one sampling sequence this step."""
+
+    params: SamplingParams
+    output_token_ids: list[int]  # generated so far (for penalties and min_tokens)
+    prompt_token_ids: list[int]  # for the repetition penalty
+    generator: torch.Generator | None  # per-request RNG when the request has a seed
+    suppressed_token_ids: tuple[int, ...]  # eos/stop ids banned until min_tokens is reached
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: {token_id: logprob} for the sampled token and the top-k, or None if not asked.
+    logprobs: list[dict[int, float] | None]
+    # Per row: True when the raw logits held NaN or inf (the request must fail).
+    non_finite: list[bool]
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    """Pick one token per row of ``logits`` [B, vocab]; work is skipped when no row needs it."""
+    logits = logits.float()
+    non_finite = (~torch.isfinite(logits).all(dim=-1)).tolist()
+    logprobs = _top_logprobs_raw(logits, rows)
+
+    needs_edit = [i for i, r in enumerate(rows) if r.params.has_penalties or r.suppressed_token_ids]
+    if needs_edit:
+        logits = logits.clone()
+        for i in needs_edit:
+            _apply_penalties(logits[i], rows[i])
+    greedy = torch.tensor([r.params.greedy for r in rows])
+    tokens = logits.argmax(dim=-1)
+    random_rows = (~greedy).nonzero().flatten().tolist()
+    if random_rows:
+        tokens[random_rows] = _sample_random(logits[random_rows], [rows[i] for i in random_rows])
+    token_list = tokens.tolist()
+    out_logprobs: list[dict[int, float] | None] = [None] * len(rows)
+    if logprobs is not None:
+        lp, top_vals, top_ids = logprobs
+        for i, r in enumerate(rows):
+            if r.params.logprobs is None:
+                continue
+            entry = {int(t): float(v) for t, v in zip(top_ids[i, : r.params.logprobs].tolist(),
+                                                      top_vals[i, : r.params.logprobs].tolist())}
+            entry[token_list[i]] = float(lp[i, token_list[i]])
+            out_logprobs[i] = entry
+    return SamplerOutput(token_list, out_logprobs, non_finite)
+
+
+def _top_logprobs_raw(logits: torch.Tensor, rows: list[SamplingRow]):
+    """Log-probabilities of the model's raw distribution, as vLLM returns them."""
+    k = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
+    if k is None:
+        return None
+    lp = torch.log_softmax(logits, dim=-1)
+    top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
+    return lp, top_vals, top_ids
+
+
+def _apply_penalties(row_logits: torch.Tensor, row: SamplingRow) -> None:
+    p = row.params
+    vocab = row_logits.shape[0]
+    if row.suppressed_token_ids:
+        row_logits[list(row.suppressed_token_ids)] = float("-inf")
+    if not p.has_penalties:
+        return
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+        if seen.numel():
+            vals = row_logits[seen]
+            row_logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if row.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+        counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=vocab).float()
+        row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
+    logits = logits / temps[:, None]
+    if any(r.params.top_k or r.params.top_p < 1.0 for r in rows):
+        logits = _top_k_top_p(logits, rows)
+    probs = torch.softmax(logits, dim=-1)
+    if any(r.params.min_p for r in rows):
+        min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype)
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    # Exponential race (Gumbel-max in another form): argmax(p / E) with E ~ Exp(1) samples from p,
+    # and lets each seeded request draw its noise from its own generator.
+    noise = torch.empty_like(probs)
+    for i, r in enumerate(rows):
+        noise[i].exponential_(generator=r.generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([r.params.top_k or vocab for r in rows])
+    ranks = torch.arange(vocab)[None, :]
+    mask = ranks >= top_k[:, None]
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype)
+    probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
+    # Drop a token when the mass before it already reaches top_p (the first token always stays).
+    mask |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -1,0 +1,76 @@
+"""Model sources: a Hugging Face folder, a GGUF file, the embedded default, or dummy weights."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from qwenbatch.loader.default_model import cache_root, default_model_dir
+from qwenbatch.loader.dummy import dummy_config, load_dummy_model
+from qwenbatch.loader.gguf import convert_gguf
+from qwenbatch.loader.hf import load_hf_model
+from qwenbatch.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, and where its tokenizer lives (None for dummy shapes without one)."""
+
+    model: nn.Module
+    config: ModelConfig
+    tokenizer_dir: Path | None
+
+
+def resolve_model_dir(model: str) -> Path:
+    """The Hugging Face folder behind ``model``: "default", a folder, or a .gguf file (converted once)."""
+    if model == "default":
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted_gguf_dir(path)
+    if path.exists():
+        raise ValueError(f"--model {model}: not a model folder or a .gguf file")
+    raise FileNotFoundError(f"--model {model}: no such folder or file (models are not downloaded from a hub)")
+
+
+def _converted_gguf_dir(path: Path) -> Path:
+    stat = path.resolve().stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = cache_root() / "gguf" / f"{path.stem}-{key}"
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".build-") as tmp:
+        out = Path(tmp) / "out"
+        convert_gguf(path, out)
+        shutil.rmtree(folder, ignore_errors=True)
+        out.rename(folder)
+    return folder
+
+
+def load_model(model: str, load_format: str, dtype: torch.dtype, device: torch.device,
+               seed: int = 0) -> LoadedModel:
+    """Load ``model`` in ``dtype`` on ``device``; ``load_format="dummy"`` builds random weights of its shape."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    if load_format == "dummy":
+        cfg = dummy_config(model)
+        folder = Path(model)
+        tokenizer_dir = folder if (folder / "tokenizer.json").is_file() else None
+        return LoadedModel(load_dummy_model(cfg, dtype, device, seed), cfg, tokenizer_dir)
+    folder = resolve_model_dir(model)
+    cfg = ModelConfig.from_folder(folder)
+    return LoadedModel(load_hf_model(folder, dtype, device), cfg, folder)

@@ -1,0 +1,146 @@
+"""Qwen2 and Qwen3 decoders in plain PyTorch, over packed batches and a paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qwenbatch.layers.attention import AttentionMetadata, paged_attention
+from qwenbatch.layers.norm import RMSNorm
+from qwenbatch.layers.rotary import RotaryEmbedding
+from qwenbatch.models.config import ModelConfig
+
+
+class QwenAttention(nn.Module):
+    """GQA self-attention with a fused qkv projection; Qwen2 adds a bias, Qwen3 per-head q/k RMSNorm."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(paged_attention(q, k, v, kv_cache, meta, self.scale))
+
+
+class QwenMLP(nn.Module):
+    """SwiGLU feed-forward with the gate and up projections fused into one matmul."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class QwenDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = QwenAttention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = QwenMLP(cfg)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class QwenModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.layers = nn.ModuleList(QwenDecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, kv_cache, meta)
+        return self.norm(x)
+
+
+class QwenForCausalLM(nn.Module):
+    """Qwen2ForCausalLM / Qwen3ForCausalLM: the decoder plus a (possibly tied) LM head.
+
+    ``forward`` returns hidden states for all packed tokens; ``compute_logits`` is applied only
+    to the rows that sample, so a prefill of 2,000 tokens does not pay for 2,000 x vocab logits.
+    """
+
+    # checkpoint name fragment -> (our fused parameter, which slice)
+    stacked_params = (
+        ("q_proj", "qkv_proj", "q"),
+        ("k_proj", "qkv_proj", "k"),
+        ("v_proj", "qkv_proj", "v"),
+        ("gate_proj", "gate_up_proj", 0),
+        ("up_proj", "gate_up_proj", 1),
+    )
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = QwenModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def checkpoint_names(self) -> dict[str, tuple[str, slice]]:
+        """Map every checkpoint tensor name this model expects to (our parameter, rows it fills)."""
+        cfg = self.config
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        qkv_rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
+        inter = cfg.intermediate_size
+        gate_up_rows = {0: slice(0, inter), 1: slice(inter, 2 * inter)}
+        names: dict[str, tuple[str, slice]] = {}
+        # remove_duplicate=True drops a tied lm_head.weight: the checkpoint does not carry it.
+        for ours, _ in self.named_parameters(remove_duplicate=True):
+            stacked = [s for s in self.stacked_params if f".{s[1]}." in ours]
+            if not stacked:
+                names[ours] = (ours, slice(None))
+            for ckpt_part, fused, part in stacked:
+                rows = qkv_rows[part] if fused == "qkv_proj" else gate_up_rows[part]
+                names[ours.replace(fused, ckpt_part)] = (ours, rows)
+        return names

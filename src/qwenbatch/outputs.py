@@ -1,0 +1,48 @@
+"""What the engine returns for a request (vLLM's RequestOutput / CompletionOutput shapes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request (a request with ``n > 1`` has several)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    # "stop" (eos, stop string or stop token), "length" (max_tokens or context), "abort", "error";
+    # None while the sequence is still running.
+    finish_reason: str | None = None
+    # The stop string or stop token id that ended it, if any.
+    stop_reason: str | int | None = None
+    # Per generated token: {token_id: logprob} holding the sampled token and the top-k.
+    logprobs: list[dict[int, float]] | None = None
+    # For thinking models: the text inside <think>...</think>; ``text`` then holds only the answer.
+    reasoning_content: str | None = None
+    # Set when finish_reason is "error".
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: its prompt and its completions so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)

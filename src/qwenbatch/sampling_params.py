@@ -1,0 +1,86 @@
+"""Per-request sampling settings, validated at construction (vLLM's names and meanings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How one request is sampled and when it stops.
+
+    ``temperature == 0`` means greedy decoding. Every invalid value raises ``ValueError``
+    naming the parameter, so a bad request fails before it reaches the engine.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs returned per generated token
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(name: str, why: str) -> None:
+            raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            fail("n", "must be an integer >= 1")
+        if self.temperature < 0:
+            fail("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            fail("top_k", "must be an integer >= 0 (0 or -1 disables it)")
+        if not 0 <= self.min_p <= 1:
+            fail("min_p", "must be in [0, 1]")
+        if not -2 <= self.presence_penalty <= 2:
+            fail("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            fail("frequency_penalty", "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            fail("repetition_penalty", "must be > 0")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            fail("max_tokens", "must be an integer >= 1 or None")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            fail("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            fail("logprobs", "must be an integer in [0, 20] or None")
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail("seed", "must be an integer or None")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop", "must hold non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "must hold non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding takes the argmax token."""
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when the sampler must look at the tokens generated so far."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)

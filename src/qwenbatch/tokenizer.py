@@ -1,0 +1,98 @@
+"""Tokenizer loading, chat templates, incremental detokenization and the <think> split."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from tokenizers.decoders import DecodeStream
+
+logger = logging.getLogger(__name__)
+
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+class Tokenizer:
+    """A Hugging Face fast tokenizer plus the Qwen chat template and eos ids."""
+
+    def __init__(self, folder: Path, eos_token_ids: tuple[int, ...] = ()) -> None:
+        from transformers import AutoTokenizer  # deferred: heavy import, only needed with a tokenizer
+
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{folder}: cannot load the tokenizer ({e})") from e
+        ids = set(eos_token_ids)
+        if self.hf.eos_token_id is not None:
+            ids.add(self.hf.eos_token_id)
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(ids))
+        self.backend = self.hf.backend_tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encode many texts in one call to the Rust tokenizer."""
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], enable_thinking: bool | None = None,
+                            add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` with the model's template; ``enable_thinking`` is Qwen3's switch."""
+        if self.hf.chat_template is None:
+            raise ValueError("this model has no chat template; use generate() with plain prompts")
+        kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        return self.hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's token ids into text as they arrive and applies stop strings.
+
+    Multi-byte characters split over several tokens are held back until complete (the Rust
+    ``DecodeStream`` does this), so streamed Chinese text never shows a replacement character.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True,
+                 include_stop_str_in_output: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.stop = stop
+        self.include_stop = include_stop_str_in_output
+        self.max_stop_len = max((len(s) for s in stop), default=0)
+        self.text = ""
+
+    def add(self, token_id: int) -> str | None:
+        """Append a token; returns the stop string that ended the text, if one appeared."""
+        piece = self.stream.step(self.tokenizer.backend, token_id)
+        if not piece:
+            return None
+        search_from = max(0, len(self.text) - self.max_stop_len + 1)
+        self.text += piece
+        for s in self.stop:
+            at = self.text.find(s, search_from)
+            if at != -1:
+                self.text = self.text[: at + len(s)] if self.include_stop else self.text[:at]
+                return s
+        return None
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """Split a thinking model's output into (reasoning, answer).
+
+    Handles both Qwen3 styles: the model writes ``<think>`` itself, or the template already
+    opened it and only ``</think>`` appears. An unfinished thought is all reasoning.
+    """
+    if THINK_END in text:
+        reasoning, answer = text.split(THINK_END, 1)
+        return reasoning.replace(THINK_START, "", 1).strip(), answer.lstrip("\n")
+    if text.lstrip().startswith(THINK_START):
+        return text.lstrip()[len(THINK_START):].strip(), ""
+    return None, text
