@@ -36,7 +36,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; default: a quarter of available memory, at most 8 GiB
+    kv_cache_memory: int | None = None  # bytes; default: 4 GiB, at most a quarter of available memory
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -22,7 +22,7 @@ from qwenbatch.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_CAP = 8 * 2**30
+DEFAULT_KV_CACHE_CAP = 4 * 2**30  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE)
 
 
 @dataclass(eq=False)

@@ -39,7 +39,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        # Uninitialised on purpose: zero-filling gigabytes costs seconds of page faults at start-up,
+        # and every slot is written before it is read (decode padding points at real slots).
+        self.kv_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", num_blocks, block_size,
                     num_blocks * block_size, num_blocks * block_size * kv_cache_bytes_per_token(cfg, dtype) / 2**30)
 
@@ -75,10 +77,12 @@ class ModelRunner:
         meta = AttentionMetadata(torch.cat(slots), prefills, None, None, None)
         if decode_rows:
             max_len = max(length for _, length in decode_ctx)
-            kv = torch.zeros(len(decode_rows), max_len, dtype=torch.long)
+            kv = torch.empty(len(decode_rows), max_len, dtype=torch.long)
             mask = torch.zeros(len(decode_rows), 1, 1, max_len, dtype=torch.bool)
             for i, (table, length) in enumerate(decode_ctx):
                 kv[i, :length] = self._slots(table, 0, length)
+                # Padding repeats the sequence's first slot: masked out, but finite (0 x NaN is NaN).
+                kv[i, length:] = table[0] * self.block_size
                 mask[i, ..., :length] = True
             meta.decode_rows = torch.tensor(decode_rows)
             meta.decode_kv_slots = kv

@@ -34,7 +34,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     # Sequences decoding one token this step, attended in one padded call:
     decode_rows: torch.Tensor | None  # [D] their rows in the packed batch
-    decode_kv_slots: torch.Tensor | None  # [D, L_max] flat slots of each one's context (0-padded)
+    decode_kv_slots: torch.Tensor | None  # [D, L_max] flat slots of each one's context, padded with a real slot
     decode_mask: torch.Tensor | None  # [D, 1, 1, L_max] True where a slot is real context
 
 

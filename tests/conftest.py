@@ -1,0 +1,94 @@
+"""Fixtures: tiny random Qwen2/Qwen3 checkpoints with a real (tiny, trained) BPE tokenizer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ADDED_TOKENS = ["<think>", "</think>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Python is a programming language. It is widely used for data science and the web.",
+    "用一句话介绍Python编程语言。Python是一种高级编程语言。",
+    "Batch inference pushes thousands of prompts through one model as fast as possible.",
+    "def add(a, b):\n    return a + b\n",
+    "Emoji 🙂 and symbols # @ / % survive tokenization.",
+]
+
+
+def make_tokenizer(folder: Path) -> int:
+    """Train a small byte-level BPE and save it as a Hugging Face fast tokenizer; returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 additional_special_tokens=["<|im_start|>"])
+    hf.add_tokens(ADDED_TOKENS)
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(str(folder))
+    return len(hf)
+
+
+def make_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
+    """A tiny random checkpoint of ``arch`` ("qwen2" or "qwen3") saved the way real ones are."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = make_tokenizer(folder)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  rms_norm_eps=1e-6, initializer_range=0.1, eos_token_id=2, bos_token_id=0, pad_token_id=0)
+    if arch == "qwen2":
+        cfg = Qwen2Config(**common, tie_word_embeddings=False, rope_theta=10000.0)
+    else:
+        cfg = Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, rope_theta=1_000_000.0)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if arch == "qwen2":  # biases start at zero; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.1)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session", params=["qwen2", "qwen3"])
+def tiny_checkpoint(request, tiny_qwen2, tiny_qwen3) -> Path:
+    return tiny_qwen2 if request.param == "qwen2" else tiny_qwen3
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The embedded default model's cached folder (built once, about a minute, on a fresh machine)."""
+    from qwenbatch.loader.default_model import default_model_dir as build
+
+    return build()

@@ -1,0 +1,96 @@
+"""Write a tiny Hugging Face checkpoint as a GGUF file, the way llama.cpp's converter lays it out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+_HF_TO_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_HF_TO_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _HF_TO_GGUF_GLOBAL:
+        return _HF_TO_GGUF_GLOBAL[hf_name]
+    _, _, index, rest = hf_name.split(".", 3)
+    return f"blk.{index}.{_HF_TO_GGUF_LAYER[rest]}"
+
+
+def write_gguf(checkpoint: Path, out: Path, quantize: bool = True) -> dict[str, np.ndarray]:
+    """Write ``checkpoint`` as ``out``; 2-D weights as Q8_0 when ``quantize``. Returns the HF-named
+    float32 values a faithful reader must recover (the dequantized ones)."""
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    arch = cfg["model_type"]
+    tok = json.loads((checkpoint / "tokenizer.json").read_text())
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name("tiny")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    if "head_dim" in cfg and arch == "qwen3":
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+
+    vocab = dict(tok["model"]["vocab"])
+    special = {}
+    for added in tok["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+        special[added["id"]] = added["special"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    types = [gguf.TokenType.CONTROL if special.get(i) else
+             gguf.TokenType.USER_DEFINED if i in special else gguf.TokenType.NORMAL for i in range(len(tokens))]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_pad_token_id(cfg["pad_token_id"])
+    w.add_add_bos_token(False)
+    w.add_chat_template((checkpoint / "chat_template.jinja").read_text())
+
+    expected = {}
+    for name, value in load_file(str(checkpoint / "model.safetensors")).items():
+        value = value.astype(np.float32)
+        if quantize and value.ndim == 2:
+            q = gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(gguf_name(name), q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            expected[name] = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).reshape(value.shape)
+        else:
+            w.add_tensor(gguf_name(name), value)
+            expected[name] = value
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected

@@ -1,0 +1,62 @@
+"""The embedded default model (Qwen2.5-Coder-0.5B-Instruct GGUF) against transformers, float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from qwenbatch import LLM, SamplingParams
+from qwenbatch.loader.default_model import assemble_gguf, part_paths
+
+pytestmark = pytest.mark.default_model
+
+CHATS = [
+    "用一句话介绍Python编程语言。",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "请解释什么是快速排序，并给出时间复杂度。",
+    "What is the difference between a list and a tuple in Python?",
+]
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir):
+    return LLM(model="default", dtype="float32", kv_cache_memory=2**30)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(llm):
+    tok = llm.tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in CHATS]
+
+
+def test_greedy_chat_equals_transformers_reading_the_gguf(llm, prompt_ids, tmp_path_factory):
+    # The reference reads the original GGUF itself, so this also checks our dequantization and
+    # tensor mapping, not only the model code.
+    folder = tmp_path_factory.mktemp("gguf")
+    assemble_gguf(part_paths(), folder / "model.gguf")
+    ref = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file="model.gguf", dtype=torch.float32).eval()
+    ours = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    for ids, output in zip(prompt_ids, ours, strict=True):
+        with torch.inference_mode():
+            expected = ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32,
+                                    eos_token_id=151645, pad_token_id=151643)[0, len(ids):].tolist()
+        assert output.outputs[0].token_ids == expected
+    del ref
+
+
+def test_chat_answer_is_coherent_text(llm):
+    out = llm.chat([{"role": "user", "content": CHATS[0]}], SamplingParams(temperature=0, max_tokens=48),
+                   use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert "Python" in out.text and "编程语言" in out.text
+    assert "\ufffd" not in out.text
+
+
+def test_batch_of_8_mixed_lengths_equals_alone(llm, prompt_ids):
+    prompts = prompt_ids + [ids[: len(ids) // 2] for ids in prompt_ids]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    batched = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, output in zip(prompts, batched, strict=True):
+        alone = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert output.outputs[0].token_ids == alone.outputs[0].token_ids

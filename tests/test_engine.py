@@ -1,0 +1,119 @@
+"""Engine behaviour on tiny checkpoints: batching never changes greedy output, and blocks come back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from qwenbatch import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def mixed_prompts(count: int, seed: int = 0, vocab: int = 400) -> list[list[int]]:
+    """``count`` prompts of 1 to 300 tokens; the first k of any call are the same prompts."""
+    prompts = []
+    for i in range(count):
+        rng = random.Random(seed * 1000 + i)
+        length = [1, 2, 5, 17, 40, 95, 160, 300][i] if i < 8 else rng.randint(1, 200)
+        prompts.append([rng.randrange(3, vocab) for _ in range(length)])
+    return prompts
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def folder(request, tiny_qwen2, tiny_qwen3):
+    return str(tiny_qwen2 if request.param == "qwen2" else tiny_qwen3)
+
+
+@pytest.fixture(scope="module")
+def alone(folder):
+    """Each prompt's greedy tokens when it runs by itself."""
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=32 * 2**20)
+    return [tokens(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in mixed_prompts(32)]
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not llm.engine.has_unfinished()
+
+
+def test_batch_of_8_very_different_lengths_equals_alone(folder, alone):
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=32 * 2**20)
+    assert tokens(llm.generate(mixed_prompts(8), GREEDY, use_tqdm=False)) == alone[:8]
+    assert_all_blocks_free(llm)
+
+
+def test_batch_of_32_with_chunked_prefill_equals_alone(folder, alone):
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=32 * 2**20, max_num_batched_tokens=64)
+    assert tokens(llm.generate(mixed_prompts(32), GREEDY, use_tqdm=False)) == alone
+    assert_all_blocks_free(llm)
+
+
+def test_preemption_under_a_tiny_cache_does_not_change_output(folder, alone):
+    from qwenbatch.engine.model_runner import kv_cache_bytes_per_token
+
+    probe = LLM(model=folder, dtype="float32", kv_cache_memory=2**20)
+    per_token = kv_cache_bytes_per_token(probe.engine.model_config, probe.engine.dtype)
+    # Room for about 600 tokens: the longest prompt fits alone, the batch does not.
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=600 * per_token, max_model_len=400)
+    assert tokens(llm.generate(mixed_prompts(32), GREEDY, use_tqdm=False)) == alone
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_all_blocks_free(llm)
+
+
+def test_aborted_requests_free_their_blocks(folder):
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=32 * 2**20)
+    engine = llm.engine
+    for i, prompt in enumerate(mixed_prompts(6)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    for i in range(6):
+        engine.abort(f"r{i}")
+    assert_all_blocks_free(llm)
+
+
+def test_prompts_are_pulled_lazily(folder):
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=32 * 2**20, max_num_seqs=4)
+    pulled = 0
+    peak = 0
+
+    def prompts():
+        nonlocal pulled, peak
+        for p in mixed_prompts(40):
+            pulled += 1
+            peak = max(peak, llm.engine.num_unfinished_requests)
+            yield p[:50]
+
+    done = list(llm.generate_iter(prompts(), SamplingParams(temperature=0, max_tokens=4), use_tqdm=False))
+    assert sorted(i for i, _ in done) == list(range(40))
+    assert peak <= 2 * 4
+    assert_all_blocks_free(llm)
+
+
+def test_request_longer_than_max_model_len_is_rejected(folder):
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=32 * 2**20, max_model_len=64)
+    with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_tokens \(10\) exceeds max_model_len \(64\)"):
+        llm.generate([[5] * 60], SamplingParams(max_tokens=10), use_tqdm=False)
+    with pytest.raises(ValueError, match="the prompt has 64 tokens; max_model_len is 64"):
+        llm.generate([[5] * 64], SamplingParams(max_tokens=None), use_tqdm=False)
+    assert_all_blocks_free(llm)
+
+
+def test_max_model_len_larger_than_the_cache_fails_when_set(folder):
+    with pytest.raises(ValueError, match="does not fit in the KV cache"):
+        LLM(model=folder, dtype="float32", kv_cache_memory=2**16, max_model_len=1000)
+
+
+def test_max_tokens_none_runs_to_the_context_limit(folder):
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=32 * 2**20, max_model_len=40)
+    out = llm.generate([[7] * 30], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 10
+    assert out[0].outputs[0].finish_reason == "length"

@@ -1,0 +1,418 @@
+"""SamplingParams validation, the batched sampler on hand-made logits, and sampling through the engine."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+
+from qwenbatch import LLM, SamplingParams
+from qwenbatch.engine.model_runner import kv_cache_bytes_per_token
+from qwenbatch.layers.sampler import SamplingRow, sample
+from qwenbatch.models.config import ModelConfig
+
+VOCAB = 50
+
+
+def row(params: SamplingParams, output: list[int] | None = None, prompt: list[int] | None = None,
+        generator: torch.Generator | None = None, suppressed: tuple[int, ...] = ()) -> SamplingRow:
+    return SamplingRow(params, output or [], prompt or [], generator, suppressed)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def random_logits(rows: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=gen(seed)) * scale
+
+
+def draws(logits: torch.Tensor, params: SamplingParams, count: int, seed: int = 0) -> Counter:
+    """Token frequencies of ``count`` samples from one logits row, one seeded generator for all."""
+    g = gen(seed)
+    out = sample(logits.expand(count, -1), [row(params, generator=g) for _ in range(count)])
+    return Counter(out.token_ids)
+
+
+# -- SamplingParams validation --------------------------------------------------------------------
+
+INVALID = [
+    ("n", {"n": 0}),
+    ("n", {"n": 1.5}),
+    ("temperature", {"temperature": -0.5}),
+    ("temperature", {"temperature": math.nan}),
+    ("top_p", {"top_p": 0.0}),
+    ("top_p", {"top_p": 1.1}),
+    ("top_k", {"top_k": -2}),
+    ("top_k", {"top_k": 2.5}),
+    ("min_p", {"min_p": -0.1}),
+    ("min_p", {"min_p": 1.5}),
+    ("presence_penalty", {"presence_penalty": 2.5}),
+    ("presence_penalty", {"presence_penalty": -3.0}),
+    ("frequency_penalty", {"frequency_penalty": 2.5}),
+    ("frequency_penalty", {"frequency_penalty": -3.0}),
+    ("repetition_penalty", {"repetition_penalty": 0.0}),
+    ("repetition_penalty", {"repetition_penalty": -1.0}),
+    ("repetition_penalty", {"repetition_penalty": math.nan}),
+    ("max_tokens", {"max_tokens": 0}),
+    ("max_tokens", {"max_tokens": 2.0}),
+    ("min_tokens", {"min_tokens": -1}),
+    ("min_tokens", {"min_tokens": 10, "max_tokens": 5}),
+    ("logprobs", {"logprobs": -1}),
+    ("logprobs", {"logprobs": 21}),
+    ("stop", {"stop": ""}),
+    ("stop", {"stop": ["ok", ""]}),
+    ("stop", {"stop": [3]}),
+    ("stop_token_ids", {"stop_token_ids": [-1]}),
+    ("stop_token_ids", {"stop_token_ids": ["2"]}),
+]
+
+
+@pytest.mark.parametrize(("name", "kwargs"), INVALID, ids=[f"{n}={v}" for n, kw in INVALID for v in [kw[n]]])
+def test_invalid_value_raises_naming_the_parameter(name, kwargs):
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        SamplingParams(**kwargs)
+
+
+def test_valid_values_are_accepted_and_normalised():
+    p = SamplingParams(n=4, temperature=0, top_p=0.5, top_k=-1, min_p=1.0, presence_penalty=-2,
+                       frequency_penalty=2, repetition_penalty=1.3, max_tokens=None, min_tokens=3,
+                       logprobs=20, stop="END", stop_token_ids=(7, 9), seed=0)
+    assert p.greedy
+    assert p.top_k == 0  # -1 disables top-k, as in vLLM
+    assert p.stop == ["END"]
+    assert p.stop_token_ids == [7, 9]
+    assert p.has_penalties
+    assert not SamplingParams().has_penalties
+
+
+def test_none_stop_lists_are_accepted_as_in_vllm():
+    # vLLM's own defaults are stop=None and stop_token_ids=None; drop-in code passes them through.
+    p = SamplingParams(stop=None, stop_token_ids=None)
+    assert p.stop == []
+    assert p.stop_token_ids == []
+
+
+# -- the sampler on hand-made logits --------------------------------------------------------------
+
+def test_greedy_picks_the_argmax_of_every_row():
+    logits = random_logits(8)
+    out = sample(logits, [row(SamplingParams(temperature=0)) for _ in range(8)])
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.non_finite == [False] * 8
+    assert out.logprobs == [None] * 8
+
+
+@pytest.mark.parametrize("temperature", [0.1, 1.0, 10.0, 1000.0])
+def test_top_k_1_equals_greedy_at_any_temperature(temperature):
+    logits = random_logits(16, seed=1, scale=0.5)
+    rows = [row(SamplingParams(temperature=temperature, top_k=1), generator=gen(i)) for i in range(16)]
+    assert sample(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_samples_only_the_k_best():
+    logits = random_logits(1, seed=2, scale=0.3)[0]
+    best3 = set(logits.topk(3).indices.tolist())
+    seen = draws(logits, SamplingParams(temperature=1.0, top_k=3), 600)
+    assert set(seen) == best3
+
+
+def test_tiny_top_p_keeps_only_the_best_token():
+    logits = random_logits(1, seed=3, scale=0.3)[0]  # nearly flat: without top_p many tokens appear
+    seen = draws(logits, SamplingParams(temperature=1.0, top_p=1e-6), 300)
+    assert set(seen) == {int(logits.argmax())}
+    assert len(draws(logits, SamplingParams(temperature=1.0), 300)) > 10
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    # 0.4 < 0.5, so the second token is needed; 0.4 + 0.3 >= 0.5, so the third is not.
+    seen = draws(logits, SamplingParams(temperature=1.0, top_p=0.5), 600)
+    assert set(seen) == {0, 1}
+
+
+def test_min_p_masks_tokens_below_a_fraction_of_the_best():
+    probs = torch.tensor([0.40, 0.30, 0.15, 0.10, 0.03, 0.02])
+    logits = torch.log(probs)
+    seen = draws(logits, SamplingParams(temperature=1.0, min_p=0.2), 1000)
+    # Kept: p >= 0.2 * 0.40 = 0.08, i.e. tokens 0..3; tokens 4 and 5 never appear.
+    assert set(seen) == {0, 1, 2, 3}
+
+
+def test_temperature_sampling_follows_the_softmax():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    seen = draws(torch.log(probs), SamplingParams(temperature=1.0), 4000, seed=5)
+    for token, p in enumerate(probs.tolist()):
+        assert abs(seen[token] / 4000 - p) < 0.03
+    # Temperature 0.5 squares the probabilities: [0.36, 0.09, 0.01] / 0.46.
+    seen = draws(torch.log(probs), SamplingParams(temperature=0.5), 4000, seed=6)
+    assert abs(seen[0] / 4000 - 0.36 / 0.46) < 0.03
+
+
+def _seeded_sequence(seed: int, steps: int = 20, batch_with_others: bool = False) -> list[int]:
+    logits = random_logits(1, seed=7, scale=0.5)
+    params = SamplingParams(temperature=1.0, seed=seed)
+    g = gen(seed)
+    tokens = []
+    for step in range(steps):
+        if batch_with_others:  # unseeded and differently seeded neighbours must not disturb this row
+            batch = torch.cat([random_logits(1, seed=100 + step), logits, random_logits(1, seed=200 + step)])
+            rows = [row(SamplingParams(temperature=0.8)), row(params, generator=g),
+                    row(SamplingParams(temperature=1.0, seed=99), generator=gen(99 + step))]
+            tokens.append(sample(batch, rows).token_ids[1])
+        else:
+            tokens.append(sample(logits, [row(params, generator=g)]).token_ids[0])
+    return tokens
+
+
+def test_seeded_rows_reproduce_with_a_fresh_generator_and_differ_across_seeds():
+    first = _seeded_sequence(1234)
+    assert _seeded_sequence(1234) == first
+    assert _seeded_sequence(1234, batch_with_others=True) == first
+    assert _seeded_sequence(4321) != first
+    assert len(set(first)) > 1  # it really sampled
+
+
+def test_non_finite_rows_are_flagged_and_other_rows_still_sample():
+    logits = random_logits(4, seed=8)
+    logits[1, 3] = float("nan")
+    logits[2, 0] = float("inf")
+    rows = [row(SamplingParams(temperature=0)),
+            row(SamplingParams(temperature=1.0, top_p=0.9, min_p=0.1)),
+            row(SamplingParams(temperature=0.7, top_k=5), generator=gen(0)),
+            row(SamplingParams(temperature=0))]
+    out = sample(logits, rows)
+    assert out.non_finite == [False, True, True, False]
+    assert out.token_ids[0] == int(logits[0].argmax())
+    assert out.token_ids[3] == int(logits[3].argmax())
+
+
+def test_presence_penalty_lowers_generated_tokens_by_a_constant():
+    logits = torch.tensor([[2.0, 1.5, 0.0, 0.0]])
+    greedy = SamplingParams(temperature=0, presence_penalty=1.0)
+    assert sample(logits, [row(greedy, output=[0])]).token_ids == [1]
+    assert sample(logits, [row(greedy, prompt=[0])]).token_ids == [0]  # prompt tokens are not penalised
+    # Presence does not grow with the count: 2.0 - 0.4 > 1.5 however often token 0 appeared.
+    mild = SamplingParams(temperature=0, presence_penalty=0.4)
+    assert sample(logits, [row(mild, output=[0, 0, 0])]).token_ids == [0]
+    # A negative penalty encourages repetition.
+    encourage = SamplingParams(temperature=0, presence_penalty=-1.0)
+    assert sample(logits, [row(encourage, output=[1])]).token_ids == [1]
+
+
+def test_frequency_penalty_grows_with_the_count():
+    logits = torch.tensor([[2.0, 1.5, 0.0, 0.0]])
+    p = SamplingParams(temperature=0, frequency_penalty=0.4)
+    assert sample(logits, [row(p, output=[0])]).token_ids == [0]  # 2.0 - 0.4 = 1.6 > 1.5
+    assert sample(logits, [row(p, output=[0, 0])]).token_ids == [1]  # 2.0 - 0.8 = 1.2 < 1.5
+
+
+def test_repetition_penalty_pushes_seen_tokens_down_whatever_their_sign():
+    p = SamplingParams(temperature=0, repetition_penalty=2.0)
+    positive = torch.tensor([[2.0, 1.5, -5.0]])
+    assert sample(positive, [row(p, prompt=[0])]).token_ids == [1]  # 2.0 / 2 = 1.0 < 1.5
+    negative = torch.tensor([[-1.0, -1.5, -5.0]])
+    assert sample(negative, [row(p, output=[0])]).token_ids == [1]  # -1.0 * 2 = -2.0 < -1.5
+    assert sample(negative, [row(SamplingParams(temperature=0), output=[0])]).token_ids == [0]
+
+
+def test_suppressed_ids_are_never_picked():
+    logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]])
+    assert sample(logits, [row(SamplingParams(temperature=0), suppressed=(1,))]).token_ids == [2]
+    assert sample(logits, [row(SamplingParams(temperature=0.5, top_k=1), suppressed=(1,),
+                               generator=gen(0))]).token_ids == [2]
+    g = gen(1)
+    rows = [row(SamplingParams(temperature=1.0), suppressed=(1, 2), generator=g) for _ in range(500)]
+    picked = set(sample(logits.expand(500, -1), rows).token_ids)
+    assert picked <= {0, 3} and 3 in picked
+
+
+def test_logprobs_hold_the_sampled_token_and_the_top_k_of_the_raw_logits():
+    logits = random_logits(3, seed=9)
+    raw_lp = torch.log_softmax(logits, dim=-1)
+    best = logits[0].argmax().item()
+    # Row 0 is penalised away from its argmax, so the sampled token is outside the top 1.
+    rows = [row(SamplingParams(temperature=0, logprobs=1, presence_penalty=2.0), output=[best] * 3),
+            row(SamplingParams(temperature=0)),
+            row(SamplingParams(temperature=1.0, logprobs=5), generator=gen(0))]
+    lowered = logits.clone()
+    lowered[0, best] -= 2.0
+    out = sample(logits, rows)
+    assert out.token_ids[0] == int(lowered[0].argmax()) != best
+    assert out.logprobs[1] is None
+    for i, k in ((0, 1), (2, 5)):
+        entry = out.logprobs[i]
+        top = raw_lp[i].topk(k).indices.tolist()
+        assert set(entry) == set(top) | {out.token_ids[i]}
+        for token, value in entry.items():
+            assert value == pytest.approx(raw_lp[i, token].item(), abs=1e-5)
+    assert set(out.logprobs[0]) == {best, out.token_ids[0]}
+
+
+def test_logprobs_zero_returns_only_the_sampled_token():
+    logits = random_logits(1, seed=10)
+    out = sample(logits, [row(SamplingParams(temperature=0, logprobs=0))])
+    token = out.token_ids[0]
+    assert out.logprobs == [{token: pytest.approx(torch.log_softmax(logits[0], -1)[token].item(), abs=1e-5)}]
+
+
+# -- through the engine ---------------------------------------------------------------------------
+
+PROMPT = "The quick brown fox"
+OTHERS = ["Python is a programming language.", "def add(a, b):", "用一句话介绍Python"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(model=str(tiny_checkpoint), dtype="float32", kv_cache_memory=16 * 2**20)
+
+
+def completion(llm: LLM, prompt, params: SamplingParams):
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    assert len(out.outputs) == params.n
+    return out.outputs[0]
+
+
+def test_seeded_request_is_reproducible_alone_and_in_a_batch(llm):
+    params = SamplingParams(temperature=1.0, seed=42, max_tokens=8, ignore_eos=True)
+    first = completion(llm, PROMPT, params).token_ids
+    assert completion(llm, PROMPT, params).token_ids == first
+    batch = [*OTHERS[:2], PROMPT, OTHERS[2]]
+    mixed = [SamplingParams(temperature=0.9, max_tokens=5),
+             SamplingParams(temperature=1.0, seed=1, max_tokens=10),
+             params,
+             SamplingParams(temperature=0, max_tokens=3)]
+    outs = llm.generate(batch, mixed, use_tqdm=False)
+    assert outs[2].outputs[0].token_ids == first
+    other_seed = SamplingParams(temperature=1.0, seed=43, max_tokens=8, ignore_eos=True)
+    assert completion(llm, PROMPT, other_seed).token_ids != first
+
+
+def test_n_returns_n_distinct_completions(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=6, ignore_eos=True)
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 6 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert out.num_output_tokens == 18
+
+
+@pytest.mark.parametrize("max_tokens", [1, 5])
+def test_max_tokens_gives_length_with_exactly_that_many_tokens(llm, max_tokens):
+    c = completion(llm, PROMPT, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    assert c.finish_reason == "length"
+    assert c.stop_reason is None
+    assert len(c.token_ids) == max_tokens
+
+
+def test_stop_token_id_ends_the_output_with_stop_reason(llm):
+    greedy = completion(llm, PROMPT, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)).token_ids
+    # A token whose first appearance is a few steps in, so the stop is seen mid-generation.
+    at = next(i for i, t in enumerate(greedy) if i >= 2 and t not in greedy[:i])
+    stop_id = greedy[at]
+    c = completion(llm, PROMPT, SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_id]))
+    assert c.finish_reason == "stop"
+    assert c.stop_reason == stop_id
+    assert c.token_ids == greedy[: at + 1]
+
+
+def test_min_tokens_holds_off_a_stop_token(llm):
+    greedy = completion(llm, PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)).token_ids
+    stop_id = greedy[0]
+    early = completion(llm, PROMPT, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_id]))
+    assert early.token_ids == [stop_id] and early.finish_reason == "stop"
+    held = completion(llm, PROMPT, SamplingParams(temperature=0, max_tokens=8, min_tokens=4,
+                                                  stop_token_ids=[stop_id]))
+    assert len(held.token_ids) >= 4
+    assert stop_id not in held.token_ids[:4]
+
+
+@pytest.fixture(scope="module")
+def eos_checkpoint(tiny_qwen2, tmp_path_factory):
+    """A copy of the tiny model whose generation_config lists greedy's first token as a second eos.
+
+    Real Qwen checkpoints list several eos ids there (<|im_end|> and <|endoftext|>).
+    """
+    probe = LLM(model=str(tiny_qwen2), dtype="float32", kv_cache_memory=16 * 2**20)
+    first = completion(probe, PROMPT, SamplingParams(temperature=0, max_tokens=1)).token_ids[0]
+    folder = tmp_path_factory.mktemp("tiny-eos") / "model"
+    shutil.copytree(tiny_qwen2, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, first]}))
+    return folder, first
+
+
+def test_min_tokens_delays_eos(eos_checkpoint):
+    folder, eos = eos_checkpoint
+    llm = LLM(model=str(folder), dtype="float32", kv_cache_memory=16 * 2**20)
+    assert eos in llm.tokenizer.eos_token_ids
+    early = completion(llm, PROMPT, SamplingParams(temperature=0, max_tokens=10))
+    assert early.token_ids == [eos]
+    assert early.finish_reason == "stop"
+    assert early.stop_reason is None  # eos, not a stop token or string
+    held = completion(llm, PROMPT, SamplingParams(temperature=0, max_tokens=10, min_tokens=5))
+    assert len(held.token_ids) >= 5
+    assert eos not in held.token_ids[:5]
+    ignored = completion(llm, PROMPT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == 10
+
+
+# -- the NaN guard (float16) ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llm16(tiny_qwen2):
+    # Two KV blocks only, so a later request surely reuses the blocks a failed one left behind.
+    per_token = kv_cache_bytes_per_token(ModelConfig.from_folder(tiny_qwen2), torch.float16)
+    return LLM(model=str(tiny_qwen2), dtype="float16", kv_cache_memory=2 * 16 * per_token, block_size=16)
+
+
+def test_float16_overflow_fails_the_request_with_a_clear_error(llm16):
+    params = SamplingParams(temperature=0, max_tokens=5)
+    norm = llm16.engine.runner.model.model.norm.weight
+    saved = norm.data.clone()
+    try:
+        norm.data.fill_(6e4)  # the final hidden states overflow float16 in the LM head
+        outs = llm16.generate([PROMPT, OTHERS[0]], params, use_tqdm=False)
+    finally:
+        norm.data.copy_(saved)
+    for out in outs:
+        c = out.outputs[0]
+        assert c.finish_reason == "error"
+        assert "float16" in c.error
+        assert "bfloat16" in c.error
+        assert c.token_ids == []
+    engine = llm16.engine
+    assert not engine.has_unfinished()
+    assert engine.num_unfinished_requests == 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    c = completion(llm16, PROMPT, params)
+    assert c.finish_reason == "length" and c.error is None and len(c.token_ids) == 5
+
+
+def test_non_finite_activations_fail_only_the_affected_request(llm16):
+    tok = llm16.tokenizer
+    poisoned = tok.encode(OTHERS[0])[0]
+    assert poisoned not in tok.encode(PROMPT)
+    params = SamplingParams(temperature=0, max_tokens=5)
+    expected = completion(llm16, PROMPT, params).token_ids
+    emb = llm16.engine.runner.model.model.embed_tokens.weight  # untied in Qwen2: the LM head is unchanged
+    saved = emb.data[poisoned].clone()
+    try:
+        emb.data[poisoned] = float("inf")
+        outs = llm16.generate([PROMPT, OTHERS[0]], params, use_tqdm=False)
+    finally:
+        emb.data[poisoned] = saved
+    assert outs[0].outputs[0].finish_reason == "length"
+    assert outs[0].outputs[0].token_ids == expected
+    assert outs[1].outputs[0].finish_reason == "error"
+    assert "float16" in outs[1].outputs[0].error
+    # The failed request's KV blocks hold NaN; requests that reuse them must not see it.
+    assert llm16.engine.block_manager.num_blocks == 2
+    clean = [PROMPT, OTHERS[2]]
+    expected = [completion(llm16, p, params).token_ids for p in clean]
+    outs = llm16.generate(clean, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
