@@ -36,11 +36,16 @@ def make_tokenizer(folder: Path) -> int:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(CORPUS * 4, trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                 additional_special_tokens=["<|im_start|>"])
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     hf.add_tokens(ADDED_TOKENS)
     hf.chat_template = CHAT_TEMPLATE
     hf.save_pretrained(str(folder))
@@ -53,9 +58,20 @@ def make_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     vocab = make_tokenizer(folder)
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  rms_norm_eps=1e-6, initializer_range=0.1, eos_token_id=2, bos_token_id=0, pad_token_id=0)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,
+        eos_token_id=2,
+        bos_token_id=0,
+        pad_token_id=0,
+    )
     if arch == "qwen2":
         cfg = Qwen2Config(**common, tie_word_embeddings=False, rope_theta=10000.0)
     else:

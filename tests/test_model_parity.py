@@ -24,8 +24,10 @@ def our_logits(model, token_ids: list[int]) -> torch.Tensor:
     block_size = 16
     blocks = -(-len(token_ids) // block_size)
     dtype = model.lm_head.weight.dtype
-    kv = [torch.empty(2, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
-          for _ in range(cfg.num_hidden_layers)]
+    kv = [
+        torch.empty(2, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
+        for _ in range(cfg.num_hidden_layers)
+    ]
     n = len(token_ids)
     meta = AttentionMetadata(torch.arange(n), [PrefillSpan(0, n, n, None)], None, None, None)
     with torch.inference_mode():
@@ -62,6 +64,12 @@ def test_greedy_tokens_match_transformers_for_32_steps(tiny_checkpoint, hf_refer
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         with torch.inference_mode():
-            expected = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32, min_new_tokens=32,
-                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            expected = ref.generate(
+                torch.tensor([prompt]),
+                do_sample=False,
+                max_new_tokens=32,
+                min_new_tokens=32,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
         assert output.outputs[0].token_ids == expected

@@ -37,11 +37,15 @@ def stream(tokenizer: Tokenizer, ids: list[int], **kwargs) -> tuple[IncrementalD
 
 # -- incremental detokenization -------------------------------------------------------------------
 
-@pytest.mark.parametrize("text", [
-    CHINESE,
-    "Emoji 🙂 and symbols # @ / % survive tokenization.",
-    "<think>思考一下</think>答案：Python是一种编程语言。",
-])
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        CHINESE,
+        "Emoji 🙂 and symbols # @ / % survive tokenization.",
+        "<think>思考一下</think>答案：Python是一种编程语言。",
+    ],
+)
 def test_streamed_text_equals_decode_and_never_shows_a_replacement_char(tokenizer, text):
     ids = tokenizer.encode(text)
     detok, texts = stream(tokenizer, ids)
@@ -100,7 +104,7 @@ def _two_token_stop(tokenizer: Tokenizer, token_ids: list[int]) -> str:
     """Two ASCII letters or digits of the output that come from two consecutive tokens."""
     _, texts = stream(tokenizer, token_ids)
     for before, mid, after in zip(texts, texts[1:], texts[2:], strict=False):
-        a, b = mid[len(before):], after[len(mid):]
+        a, b = mid[len(before) :], after[len(mid) :]
         if a and b and (a[-1] + b[0]).isascii() and (a[-1] + b[0]).isalnum():
             return a[-1] + b[0]
     raise AssertionError(f"no ASCII pair across tokens in {texts[-1]!r}")
@@ -126,21 +130,24 @@ def test_engine_stops_on_a_stop_string(llm):
     assert c.text == full.text[:cut]
     assert len(c.token_ids) < len(full.token_ids)
     assert c.token_ids == full.token_ids[: len(c.token_ids)]
-    kept = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
-                          include_stop_str_in_output=True)
+    kept = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
     assert llm.generate([prompt], kept, use_tqdm=False)[0].outputs[0].text == full.text[: cut + len(stop)]
 
 
 # -- reasoning split ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("text", "reasoning", "answer"), [
-    ("<think>a</think>b", "a", "b"),
-    ("<think>\nLet me think.\n</think>\n\nThe answer is 4.", "Let me think.", "The answer is 4."),
-    ("the template opened it\n</think>\n\nanswer", "the template opened it", "answer"),
-    ("<think>\nstill thinking", "still thinking", ""),
-    ("plain text, no thought", None, "plain text, no thought"),
-    ("", None, ""),
-])
+
+@pytest.mark.parametrize(
+    ("text", "reasoning", "answer"),
+    [
+        ("<think>a</think>b", "a", "b"),
+        ("<think>\nLet me think.\n</think>\n\nThe answer is 4.", "Let me think.", "The answer is 4."),
+        ("the template opened it\n</think>\n\nanswer", "the template opened it", "answer"),
+        ("<think>\nstill thinking", "still thinking", ""),
+        ("plain text, no thought", None, "plain text, no thought"),
+        ("", None, ""),
+    ],
+)
 def test_split_reasoning(text, reasoning, answer):
     assert split_reasoning(text) == (reasoning, answer)
 
@@ -153,8 +160,10 @@ MESSAGES = [{"role": "user", "content": "你好"}]
 def test_chat_template_without_thinking_has_the_empty_think_block(tokenizer):
     off = tokenizer.apply_chat_template(MESSAGES, enable_thinking=False)
     assert off == "<|im_start|>user\n你好<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    for default in (tokenizer.apply_chat_template(MESSAGES),
-                    tokenizer.apply_chat_template(MESSAGES, enable_thinking=True)):
+    for default in (
+        tokenizer.apply_chat_template(MESSAGES),
+        tokenizer.apply_chat_template(MESSAGES, enable_thinking=True),
+    ):
         assert default == "<|im_start|>user\n你好<|im_end|>\n<|im_start|>assistant\n"
 
 

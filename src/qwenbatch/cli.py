@@ -13,13 +13,24 @@ from qwenbatch.config import EngineConfig, parse_bytes
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The flags every sub-command that loads a model takes (vLLM's names)."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="'default' (embedded Qwen2.5-Coder-0.5B-Instruct), a Hugging Face folder, a .gguf file, "
-                        "or with --load-format dummy a shape name (qwen3-0.6b, qwen3-4b, qwen2.5-0.5b)")
-    g.add_argument("--load-format", choices=["auto", "dummy"], default=None,
-                   help="dummy: random weights of the model's shape, for benchmarks")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
-                   help="weights and activations (auto: bfloat16, the fast dtype on CPU)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="'default' (embedded Qwen2.5-Coder-0.5B-Instruct), a Hugging Face folder, a .gguf file, "
+        "or with --load-format dummy a shape name (qwen3-0.6b, qwen3-4b, qwen2.5-0.5b)",
+    )
+    g.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default=None,
+        help="dummy: random weights of the model's shape, for benchmarks",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default=None,
+        help="weights and activations (auto: bfloat16, the fast dtype on CPU)",
+    )
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
@@ -31,9 +42,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from flags, falling back to QWENBATCH_* environment variables, then defaults."""
     return EngineConfig.from_env(
-        model=args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
+        model=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        seed=args.seed,
     )
 
 
@@ -42,8 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="generate completions for one prompt or a file of prompts",
-                         description="Generate a completion for PROMPT, or for each line of --input.")
+    gen = sub.add_parser(
+        "generate",
+        help="generate completions for one prompt or a file of prompts",
+        description="Generate a completion for PROMPT, or for each line of --input.",
+    )
     gen.add_argument("prompt", nargs="?", help="the prompt text")
     gen.add_argument("--input", type=Path, help="a text file with one prompt per line")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
@@ -71,8 +91,14 @@ def _generate(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.input}: no prompts (one per line)")
     else:
         prompts = [args.prompt]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, stop=args.stop, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop=args.stop,
+        seed=args.seed,
+    )
     config = engine_config_from_args(args)
     llm = LLM(**vars(config))
     if args.chat:
@@ -94,8 +120,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     from qwenbatch.loader.default_model import DefaultModelError
 
     try:

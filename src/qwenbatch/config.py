@@ -19,8 +19,17 @@ def parse_bytes(text: str | int) -> int:
     if not m:
         raise ValueError(f"cannot read {text!r} as a size in bytes (e.g. 4GiB, 512MB)")
     unit = (m.group(2) or "B").upper().rstrip("B") or "B"
-    scale = {"B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    scale = {
+        "B": 1,
+        "K": 10**3,
+        "M": 10**6,
+        "G": 10**9,
+        "T": 10**12,
+        "KI": 2**10,
+        "MI": 2**20,
+        "GI": 2**30,
+        "TI": 2**40,
+    }[unit]
     return int(float(m.group(1)) * scale)
 
 

@@ -37,8 +37,12 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in prompt order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -48,8 +52,13 @@ class LLM:
             results[index] = output
         return [results[i] for i in range(len(prompts))]
 
-    def generate_iter(self, prompts: Iterable[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams],
-                      use_tqdm: bool = True, total: int | None = None) -> Iterator[tuple[int, RequestOutput]]:
+    def generate_iter(
+        self,
+        prompts: Iterable[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams],
+        use_tqdm: bool = True,
+        total: int | None = None,
+    ) -> Iterator[tuple[int, RequestOutput]]:
         """Yield ``(prompt index, output)`` as requests finish.
 
         Prompts are pulled from the iterable only as the engine has room (about two batches
@@ -90,8 +99,13 @@ class LLM:
                 engine.abort(request_id)
             bar.close()
 
-    def chat(self, conversations: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             enable_thinking: bool | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        conversations: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        enable_thinking: bool | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Apply the chat template to each conversation and generate; thinking goes to ``reasoning_content``."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer (dummy weights): chat needs one")

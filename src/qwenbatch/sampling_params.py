@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -22,8 +23,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] | str | None = field(default_factory=list)
+    stop_token_ids: list[int] | None = field(default_factory=list)
     max_tokens: int | None = 16  # None: up to the model's context length
     min_tokens: int = 0
     ignore_eos: bool = False
@@ -32,10 +33,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
+        self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -46,8 +49,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", "must be an integer >= 1")
-        if self.temperature < 0:
-            fail("temperature", "must be >= 0")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            fail("temperature", "must be a finite number >= 0")
         if not 0 < self.top_p <= 1:
             fail("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -58,7 +61,7 @@ class SamplingParams:
             fail("presence_penalty", "must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             fail("frequency_penalty", "must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
+        if not self.repetition_penalty > 0:  # also rejects NaN
             fail("repetition_penalty", "must be > 0")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             fail("max_tokens", "must be an integer >= 1 or None")

@@ -42,8 +42,9 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], enable_thinking: bool | None = None,
-                            add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], enable_thinking: bool | None = None, add_generation_prompt: bool = True
+    ) -> str:
         """Render ``messages`` with the model's template; ``enable_thinking`` is Qwen3's switch."""
         if self.hf.chat_template is None:
             raise ValueError("this model has no chat template; use generate() with plain prompts")
@@ -60,8 +61,13 @@ class IncrementalDetokenizer:
     ``DecodeStream`` does this), so streamed Chinese text never shows a replacement character.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True,
-                 include_stop_str_in_output: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: list[str],
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.stop = stop
@@ -94,5 +100,5 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
         reasoning, answer = text.split(THINK_END, 1)
         return reasoning.replace(THINK_START, "", 1).strip(), answer.lstrip("\n")
     if text.lstrip().startswith(THINK_START):
-        return text.lstrip()[len(THINK_START):].strip(), ""
+        return text.lstrip()[len(THINK_START) :].strip(), ""
     return None, text

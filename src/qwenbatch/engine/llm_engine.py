@@ -50,8 +50,10 @@ class LLMEngine:
         kv_bytes = config.kv_cache_memory or min(DEFAULT_KV_CACHE_CAP, psutil.virtual_memory().available // 4)
         num_blocks = kv_bytes // (per_token * config.block_size)
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={kv_bytes} bytes holds no block of {config.block_size} tokens "
-                             f"({per_token} bytes per token)")
+            raise ValueError(
+                f"kv_cache_memory={kv_bytes} bytes holds no block of {config.block_size} tokens "
+                f"({per_token} bytes per token)"
+            )
         pool_tokens = num_blocks * config.block_size
         self.max_model_len = self._resolve_max_model_len(pool_tokens)
         self.block_manager = BlockManager(num_blocks, config.block_size)
@@ -65,8 +67,10 @@ class LLMEngine:
         wanted = self.config.max_model_len
         if wanted is not None:
             if wanted > pool_tokens:
-                raise ValueError(f"max_model_len={wanted} does not fit in the KV cache ({pool_tokens} tokens); "
-                                 "raise kv_cache_memory or lower max_model_len")
+                raise ValueError(
+                    f"max_model_len={wanted} does not fit in the KV cache ({pool_tokens} tokens); "
+                    "raise kv_cache_memory or lower max_model_len"
+                )
             return wanted
         if model_len > pool_tokens:
             logger.warning("max_model_len capped from %d to %d: the KV cache holds no more", model_len, pool_tokens)
@@ -91,13 +95,16 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         n_prompt = len(token_ids)
         if n_prompt >= self.max_model_len:
-            raise ValueError(f"the prompt has {n_prompt} tokens; max_model_len is {self.max_model_len}, "
-                             "which leaves no room to generate")
+            raise ValueError(
+                f"the prompt has {n_prompt} tokens; max_model_len is {self.max_model_len}, "
+                "which leaves no room to generate"
+            )
         room = self.max_model_len - n_prompt
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room:
-            raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len})")
+            raise ValueError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds max_model_len ({self.max_model_len})"
+            )
         seqs = []
         for i in range(params.n):
             generator = None
@@ -105,10 +112,21 @@ class LLMEngine:
                 generator = torch.Generator().manual_seed(params.seed + i)
             detok = None
             if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
-                                               params.include_stop_str_in_output)
-            seq = Sequence(next(self._seq_ids), request_id, i, list(token_ids), n_prompt, params, max_tokens,
-                           generator, detok, logprobs=[] if params.logprobs is not None else None)
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
+                )
+            seq = Sequence(
+                next(self._seq_ids),
+                request_id,
+                i,
+                list(token_ids),
+                n_prompt,
+                params,
+                max_tokens,
+                generator,
+                detok,
+                logprobs=[] if params.logprobs is not None else None,
+            )
             seqs.append(seq)
             self.scheduler.add(seq)
         self._requests[request_id] = _Request(request_id, prompt_text, list(token_ids), seqs)
@@ -159,13 +177,20 @@ class LLMEngine:
         suppressed: tuple[int, ...] = ()
         if seq.num_output_tokens < p.min_tokens:
             suppressed = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
-        return SamplingRow(p, seq.output_token_ids, seq.prompt_token_ids if p.repetition_penalty != 1.0 else [],
-                           seq.generator, suppressed)
+        return SamplingRow(
+            p,
+            seq.output_token_ids,
+            seq.prompt_token_ids if p.repetition_penalty != 1.0 else [],
+            seq.generator,
+            suppressed,
+        )
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, non_finite: bool) -> None:
         if non_finite:
-            seq.error = (f"the model produced non-finite logits (NaN or inf) in {self.dtype}; "
-                         "this usually means the dtype overflows: try --dtype bfloat16")
+            seq.error = (
+                f"the model produced non-finite logits (NaN or inf) in {self.dtype}; "
+                "this usually means the dtype overflows: try --dtype bfloat16"
+            )
             logger.error("request %s failed: %s", seq.request_id, seq.error)
             self._finish(seq, "error")
             return

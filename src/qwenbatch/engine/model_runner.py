@@ -32,8 +32,15 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
@@ -42,8 +49,13 @@ class ModelRunner:
         # Uninitialised on purpose: zero-filling gigabytes costs seconds of page faults at start-up,
         # and every slot is written before it is read (decode padding points at real slots).
         self.kv_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", num_blocks, block_size,
-                    num_blocks * block_size, num_blocks * block_size * kv_cache_bytes_per_token(cfg, dtype) / 2**30)
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB",
+            num_blocks,
+            block_size,
+            num_blocks * block_size,
+            num_blocks * block_size * kv_cache_bytes_per_token(cfg, dtype) / 2**30,
+        )
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)

@@ -71,8 +71,13 @@ def paged_attention(
         else:
             mask, causal = _chunk_causal_mask(span.query_len, span.context_len, q.device), False
         o = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
-            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+            q[rows].transpose(0, 1),
+            kk.transpose(0, 1),
+            vv.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=True,
         )
         out[rows] = o.transpose(0, 1)
 
@@ -80,9 +85,7 @@ def paged_attention(
         qd = q[meta.decode_rows][:, :, None, :]  # [D, heads, 1, head_dim]
         kd = k_flat[meta.decode_kv_slots].transpose(1, 2)  # [D, kv_heads, L, head_dim]
         vd = v_flat[meta.decode_kv_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
         out[meta.decode_rows] = o[:, :, 0, :]
     return out.view(num_tokens, heads * head_dim)
 

@@ -24,17 +24,15 @@ class RotaryEmbedding(nn.Module):
         if self._cos.shape[0] < length or self._cos.device != device:
             size = max(length, 2 * self._cos.shape[0], 4096)
             inv_freq = 1.0 / (
-                self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float()
-                              / self.head_dim)
+                self.base
+                ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim)
             )
             freqs = torch.arange(size, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             self._cos, self._sin = emb.cos(), emb.sin()
         return self._cos, self._sin
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T] int64."""
         cos_table, sin_table = self._table(int(positions.max()) + 1, positions.device)
         cos = cos_table[positions].to(q.dtype)[:, None, :]

@@ -52,8 +52,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         for i, r in enumerate(rows):
             if r.params.logprobs is None:
                 continue
-            entry = {int(t): float(v) for t, v in zip(top_ids[i, : r.params.logprobs].tolist(),
-                                                      top_vals[i, : r.params.logprobs].tolist())}
+            k = r.params.logprobs
+            entry = dict(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist(), strict=True))
             entry[token_list[i]] = float(lp[i, token_list[i]])
             out_logprobs[i] = entry
     return SamplerOutput(token_list, out_logprobs, non_finite)

@@ -61,8 +61,7 @@ def _converted_gguf_dir(path: Path) -> Path:
     return folder
 
 
-def load_model(model: str, load_format: str, dtype: torch.dtype, device: torch.device,
-               seed: int = 0) -> LoadedModel:
+def load_model(model: str, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
     """Load ``model`` in ``dtype`` on ``device``; ``load_format="dummy"`` builds random weights of its shape."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")

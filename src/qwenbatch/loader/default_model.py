@@ -88,8 +88,11 @@ def file_digest(path: Path) -> str:
 
 
 def write_manifest(folder: Path) -> None:
-    files = {p.name: {"size": p.stat().st_size, "xxh3_128": file_digest(p)}
-             for p in sorted(folder.iterdir()) if p.name != MANIFEST}
+    files = {
+        p.name: {"size": p.stat().st_size, "xxh3_128": file_digest(p)}
+        for p in sorted(folder.iterdir())
+        if p.name != MANIFEST
+    }
     (folder / MANIFEST).write_text(json.dumps({"source_sha256": GGUF_SHA256, "files": files}, indent=1))
 
 

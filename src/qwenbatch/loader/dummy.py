@@ -11,25 +11,47 @@ from qwenbatch.loader.hf import instantiate
 from qwenbatch.models.config import ModelConfig
 
 _QWEN3_0_6B = {
-    "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 1024,
-    "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
-    "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
-    "max_position_embeddings": 40960, "tie_word_embeddings": True, "eos_token_id": [151645, 151643],
+    "architectures": ["Qwen3ForCausalLM"],
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": True,
+    "eos_token_id": [151645, 151643],
 }
 
 SHAPES: dict[str, dict] = {
     "qwen3-0.6b": _QWEN3_0_6B,
     "qwen3-reranker-0.6b": _QWEN3_0_6B,
     "qwen3-4b": {
-        **_QWEN3_0_6B, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 5_000_000.0,
+        **_QWEN3_0_6B,
+        "hidden_size": 2560,
+        "intermediate_size": 9728,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "rope_theta": 5_000_000.0,
         "max_position_embeddings": 262144,
     },
     "qwen2.5-0.5b": {
-        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936, "hidden_size": 896,
-        "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-        "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
-        "max_position_embeddings": 32768, "tie_word_embeddings": True, "eos_token_id": [151645, 151643],
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+        "eos_token_id": [151645, 151643],
     },
 }
 

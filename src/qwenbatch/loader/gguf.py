@@ -67,8 +67,9 @@ def hf_config(reader, path: Path, vocab_size: int, tied: bool) -> dict:
     """config.json contents from the GGUF metadata."""
     arch = _field(reader, "general.architecture", path)
     if arch not in _ARCHITECTURES:
-        raise ValueError(f"{path}: GGUF architecture '{arch}' is not supported "
-                         f"(supported: {', '.join(_ARCHITECTURES)})")
+        raise ValueError(
+            f"{path}: GGUF architecture '{arch}' is not supported (supported: {', '.join(_ARCHITECTURES)})"
+        )
     heads = int(_field(reader, f"{arch}.attention.head_count", path))
     hidden = int(_field(reader, f"{arch}.embedding_length", path))
     cfg = {

@@ -50,7 +50,7 @@ class ModelConfig:
             value = cfg[name]
             if kind is float and isinstance(value, int):
                 value = float(value)
-            if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
                 raise ValueError(f"{source}: field '{name}' must be {kind.__name__}, got {value!r}")
             return value
 
@@ -65,8 +65,9 @@ class ModelConfig:
         kv_heads = cfg.get("num_key_value_heads") or heads
         head_dim = cfg.get("head_dim") or hidden // heads
         if heads % kv_heads:
-            raise ValueError(f"{source}: num_attention_heads ({heads}) must be a multiple of "
-                             f"num_key_value_heads ({kv_heads})")
+            raise ValueError(
+                f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+            )
         rope_theta = cfg.get("rope_theta")
         if rope_theta is None:  # transformers 5 nests it under rope_parameters
             rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
