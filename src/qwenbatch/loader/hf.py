@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from qwenbatch.models.config import ModelConfig
@@ -28,12 +31,76 @@ def instantiate(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> n
     return model.eval().requires_grad_(False)
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes lie in a .safetensors file."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+def read_safetensors_index(path: Path) -> list[TensorEntry]:
+    """Parse a .safetensors header (8-byte little-endian length, then JSON); entries in file order."""
+    with path.open("rb") as f:
+        try:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        except (struct.error, ValueError) as e:
+            raise ValueError(f"{path}: not a safetensors file ({e})") from e
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: tensor '{name}' has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        entries.append(
+            TensorEntry(
+                name, _SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), 8 + header_len + begin, end - begin
+            )
+        )
+    return sorted(entries, key=lambda e: e.offset)
+
+
+def _read_into(f, entry: TensorEntry, target: torch.Tensor) -> None:
+    """Fill ``target`` with ``entry``'s values: straight into its memory when the dtypes match."""
+    f.seek(entry.offset)
+    if target.dtype == entry.dtype and target.is_contiguous() and target.device.type == "cpu":
+        dest = target
+    else:
+        dest = torch.empty(entry.shape, dtype=entry.dtype)
+    view = memoryview(dest.view(-1).view(torch.uint8).numpy())
+    if f.readinto(view) != entry.nbytes:
+        raise ValueError(f"{f.name}: tensor '{entry.name}' is truncated")
+    if dest is not target:
+        target.copy_(dest)
+
+
 def load_hf_model(folder: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Load ``folder``'s safetensors (one file or sharded) into a freshly built model.
 
-    Files are memory-mapped and copied tensor by tensor, so peak memory is the model plus one
-    tensor. Missing tensors, unexpected ones and shape mismatches raise ValueError naming the
-    file and the tensor.
+    Each tensor is read from the file straight into its parameter (through a temporary only when
+    the dtype differs), so peak memory is the model plus at most one tensor, and the file's pages
+    stay in the page cache instead of being counted again in our RSS as an mmap would be.
+    Missing tensors, unexpected ones and shape mismatches raise ValueError naming the file and
+    the tensor.
     """
     cfg = ModelConfig.from_folder(folder)
     files = sorted(folder.glob("*.safetensors"))
@@ -44,22 +111,21 @@ def load_hf_model(folder: Path, dtype: torch.dtype, device: torch.device) -> nn.
     params = dict(model.named_parameters())
     seen: set[str] = set()
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name not in expected:
-                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        with path.open("rb", buffering=0) as f:
+            for entry in read_safetensors_index(path):
+                if entry.name not in expected:
+                    if entry.name == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue  # some tied checkpoints still store the head
-                    raise ValueError(f"{path}: unexpected tensor '{name}' for {cfg.architecture}")
-                ours, rows = expected[name]
+                    raise ValueError(f"{path}: unexpected tensor '{entry.name}' for {cfg.architecture}")
+                ours, rows = expected[entry.name]
                 target = params[ours].data[rows]
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(target.shape):
+                if entry.shape != tuple(target.shape):
                     raise ValueError(
-                        f"{path}: tensor '{name}' has shape {tuple(tensor.shape)}, "
+                        f"{path}: tensor '{entry.name}' has shape {entry.shape}, "
                         f"config.json implies {tuple(target.shape)}"
                     )
-                target.copy_(tensor)
-                seen.add(name)
+                _read_into(f, entry, target)
+                seen.add(entry.name)
     missing = sorted(set(expected) - seen)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
