@@ -117,3 +117,17 @@ def test_max_tokens_none_runs_to_the_context_limit(folder):
     out = llm.generate([[7] * 30], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 10
     assert out[0].outputs[0].finish_reason == "length"
+
+
+def test_prefix_caching_on_and_off_give_the_same_greedy_output(folder, alone):
+    shared = mixed_prompts(8)[7][:100]  # a 100-token shared prefix
+    prompts = [shared + p[:20] for p in mixed_prompts(12)]
+    on = LLM(model=folder, dtype="float32", kv_cache_memory=32 * 2**20)
+    off = LLM(model=folder, dtype="float32", kv_cache_memory=32 * 2**20, enable_prefix_caching=False)
+    with_cache = tokens(on.generate(prompts, GREEDY, use_tqdm=False))
+    again = tokens(on.generate(prompts, GREEDY, use_tqdm=False))  # now served from the cache
+    assert with_cache == again == tokens(off.generate(prompts, GREEDY, use_tqdm=False))
+    bm = on.engine.block_manager
+    assert bm.prefix_cache_hits >= 11 * 96 + 12 * 96  # shared within the first call, all of it the second time
+    assert off.engine.block_manager.prefix_cache_hits == 0
+    assert_all_blocks_free(on)

@@ -35,6 +35,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block")
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV of shared prompt prefixes (default: on)",
+    )
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV-cache size, e.g. 4GiB")
     g.add_argument("--seed", type=int, default=None)
 
@@ -49,6 +55,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory=args.kv_cache_memory,
         seed=args.seed,
     )
@@ -76,7 +83,95 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
+    tp = bench.add_parser(
+        "throughput",
+        help="offline throughput of a workload, optionally beside transformers",
+        description="Run a fixed-seed workload on our engine (greedy, eos ignored) and, with --baseline, on "
+        "transformers.generate at its best static batch size, in the same process; print a table.",
+    )
+    tp.add_argument("--workload", choices=["cpu-mixed", "shared-prefix", "random"], default="cpu-mixed")
+    tp.add_argument("--num-prompts", type=int, default=64, help="random workload: number of requests")
+    tp.add_argument("--input-len", default="32-512", help="random workload: prompt length or range A-B")
+    tp.add_argument("--output-len", default="16-128", help="random workload: output length or range C-D")
+    tp.add_argument("--baseline", choices=["transformers"], help="also run this baseline")
+    tp.add_argument("--baseline-batch-sizes", default="1,2,4,8,16,32", help="the baseline's sweep")
+    tp.add_argument(
+        "--compare-prefix-caching", action="store_true", help="run ours twice, with and without prefix caching"
+    )
+    tp.add_argument("--batch1", action="store_true", help="also measure batch-1 decode against memory bandwidth")
+    tp.add_argument("--output", type=Path, help="write the results as JSON here")
+    add_engine_args(tp)
+    tp.set_defaults(func=_bench_throughput)
     return parser
+
+
+def _bench_throughput(args: argparse.Namespace) -> int:
+    import json
+
+    from qwenbatch.bench import throughput
+    from qwenbatch.bench.workloads import WORKLOADS, parse_range, random_workload
+
+    if args.workload == "random":
+        requests = random_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len))
+    else:
+        requests = WORKLOADS[args.workload]()
+    config = engine_config_from_args(args)
+    report: dict = {"workload": args.workload, "machine": throughput.machine_rates(config.torch_dtype)}
+    ours, llm = throughput.run_ours(config, requests)
+    results = [ours]
+    if args.compare_prefix_caching:
+        del llm
+        off = EngineConfig(**{**vars(config), "enable_prefix_caching": not config.enable_prefix_caching})
+        other, llm = throughput.run_ours(off, requests)
+        other.system = f"qwenbatch (prefix caching {'on' if off.enable_prefix_caching else 'off'})"
+        results.append(other)
+        with_cache, without = (ours, other) if config.enable_prefix_caching else (other, ours)
+        report["prefix_caching_speedup"] = without.wall_s / with_cache.wall_s
+    if args.batch1:
+        report["batch1"] = throughput.batch1_bandwidth(llm)
+    del llm
+    if args.baseline:
+        sizes = [int(s) for s in args.baseline_batch_sizes.split(",")]
+        base = throughput.run_transformers(config, requests, sizes)
+        results.append(base)
+        report["ratio_output_tps"] = ours.output_tps / base.output_tps
+    report["systems"] = [r.to_dict() for r in results]
+    report["model_gflops_fraction_of_gemm"] = ours.extra["model_gflops"] / report["machine"]["gemm_2048_gflops"]
+
+    print(
+        f"{'system':<34} {'reqs':>5} {'prompt':>7} {'output':>7} {'wall s':>7} {'out tok/s':>10} "
+        f"{'tot tok/s':>10} {'peak RSS MiB':>12}"
+    )
+    for r in results:
+        print(
+            f"{r.system:<34} {r.requests:>5} {r.prompt_tokens:>7} {r.output_tokens:>7} {r.wall_s:>7.1f} "
+            f"{r.output_tps:>10.1f} {r.total_tps:>10.1f} {r.peak_rss_mib:>12.0f}"
+        )
+    m = report["machine"]
+    print(
+        f"model FLOP/s {ours.extra['model_gflops']:.1f} GFLOP/s = "
+        f"{100 * report['model_gflops_fraction_of_gemm']:.0f}% of a 2048^3 {m['gemm_dtype']} matmul "
+        f"({m['gemm_2048_gflops']:.1f} GFLOP/s); prefix-cache hit rate {ours.extra['prefix_cache_hit_rate']:.1%}"
+    )
+    if "ratio_output_tps" in report:
+        print(
+            f"ratio output tok/s (ours / transformers at batch {base.extra['best_batch_size']}): "
+            f"{report['ratio_output_tps']:.2f}"
+        )
+    if "prefix_caching_speedup" in report:
+        print(f"prefix caching speed-up end to end: {report['prefix_caching_speedup']:.2f}x")
+    if "batch1" in report:
+        b = report["batch1"]
+        print(
+            f"batch-1 decode: {b['steps_per_s']:.1f} steps/s x {b['weight_bytes_per_step'] / 1e9:.2f} GB = "
+            f"{b['achieved_read_gbs']:.1f} GB/s, {100 * b['fraction_of_copy']:.0f}% of copy bandwidth "
+            f"({b['copy_bandwidth_gbs']:.1f} GB/s)"
+        )
+    if args.output:
+        args.output.write_text(json.dumps(report, indent=2))
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -64,6 +64,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     block_size: int = 16
+    enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None  # bytes; default: 4 GiB, at most a quarter of available memory
     seed: int = 0
 
@@ -100,6 +101,8 @@ class EngineConfig:
                 continue
             if f.name == "kv_cache_memory":
                 values[f.name] = parse_bytes(raw)
+            elif f.type == "bool":
+                values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
             elif f.type in ("int", "int | None"):
                 values[f.name] = int(raw)
             else:

@@ -1,43 +1,149 @@
-"""KV-cache blocks: allocation and release per sequence. Pure Python, no torch."""
+"""KV-cache blocks with automatic prefix caching. Pure Python, no torch.
+
+A full block is identified by a hash chaining its parent's hash and its own token ids, so equal
+prefixes map to equal hash chains. Blocks whose reference count drops to zero go to the back of
+an LRU free queue but keep their hash and contents: a later request with the same prefix takes
+them back (a hit) until they are handed out as fresh blocks (evicted, front of the queue first).
+A hit is verified against the stored token ids, so a hash collision can never serve wrong K/V.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from qwenbatch.engine.sequence import Sequence
 
 
-class BlockManager:
-    """A pool of ``num_blocks`` blocks of ``block_size`` token slots each.
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None  # set once the block is full and registered for reuse
+    token_ids: tuple[int, ...] = ()  # the tokens behind block_hash, to verify hits
 
-    A sequence's ``block_table`` lists its blocks in order; token ``p`` of the sequence lives in
-    slot ``block_table[p // block_size] * block_size + p % block_size``.
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    """The hash of a full block: its parent's hash and its tokens (Python's tuple hash of ints is stable)."""
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    """A pool of ``num_blocks`` blocks of ``block_size`` token slots.
+
+    A sequence's ``block_table`` lists its blocks in order; token ``p`` lives in slot
+    ``block_table[p // block_size] * block_size + p % block_size``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks, least recently freed first; OrderedDict gives O(1) removal on a cache hit.
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # of those, found in the cache
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences (free cached blocks count as free)."""
+        return 1.0 - len(self.free_queue) / self.num_blocks
+
+    # -- prefix cache -------------------------------------------------------------------------------
+
+    def _full_block_hashes(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Hashes of ``seq``'s first ``num_tokens // block_size`` blocks, memoised on the sequence."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        for i in range(len(hashes), num_tokens // bs):
+            hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
+        return hashes[: num_tokens // bs]
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """How many leading tokens of ``seq`` the cache holds now (the last token never counts)."""
+        if not self.enable_prefix_caching:
+            return 0
+        count = 0
+        for i, h in enumerate(self._full_block_hashes(seq, seq.num_tokens - 1)):
+            block_id = self.cached.get(h)
+            if block_id is None or not self._matches(block_id, seq, i):
+                break
+            count += self.block_size
+        return count
+
+    def _matches(self, block_id: int, seq: Sequence, index: int) -> bool:
+        bs = self.block_size
+        return self.blocks[block_id].token_ids == tuple(seq.token_ids[index * bs : (index + 1) * bs])
+
+    def take_cached_prefix(self, seq: Sequence) -> int:
+        """For a sequence without blocks: reuse its cached prefix, set num_computed_tokens, return it."""
+        num_cached = self.num_cached_tokens(seq)
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += num_cached
+        for h in seq.block_hashes[: num_cached // self.block_size]:
+            block = self.blocks[self.cached[h]]
+            if block.ref_count == 0:
+                del self.free_queue[block.block_id]
+            block.ref_count += 1
+            seq.block_table.append(block.block_id)
+        seq.num_computed_tokens = num_cached
+        return num_cached
+
+    # -- allocation ---------------------------------------------------------------------------------
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra blocks ``seq`` needs so that its first ``num_tokens`` tokens have slots."""
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= len(self.free_blocks)
+        return self.blocks_needed(seq, num_tokens) <= len(self.free_queue)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow ``seq.block_table`` to cover ``num_tokens`` tokens; the caller checked can_allocate."""
+        """Give ``seq`` slots for its first ``num_tokens`` tokens, and register the blocks this fills.
+
+        Blocks are registered as soon as they are allocated full: their K/V are written in this
+        step's forward before any attention reads them, so a request scheduled later in the same
+        step can already share them.
+        """
         need = self.blocks_needed(seq, num_tokens)
-        if need > len(self.free_blocks):
-            raise RuntimeError(f"need {need} blocks, {len(self.free_blocks)} free")
-        seq.block_table.extend(self.free_blocks.popleft() for _ in range(need))
+        if need > len(self.free_queue):
+            raise RuntimeError(f"need {need} blocks, {len(self.free_queue)} free")
+        for _ in range(need):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:  # evict its cached contents
+                if self.cached.get(block.block_hash) == block_id:
+                    del self.cached[block.block_hash]
+                block.block_hash, block.token_ids = None, ()
+            block.ref_count = 1
+            seq.block_table.append(block_id)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, num_tokens)
+
+    def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        bs = self.block_size
+        hashes = self._full_block_hashes(seq, num_tokens)
+        for i in range(seq.num_registered_blocks, len(hashes)):
+            block = self.blocks[seq.block_table[i]]
+            if block.block_hash is None:
+                block.block_hash = hashes[i]
+                block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                self.cached.setdefault(hashes[i], block.block_id)
+        seq.num_registered_blocks = max(seq.num_registered_blocks, len(hashes))
 
     def free(self, seq: Sequence) -> None:
-        """Return all of ``seq``'s blocks to the pool."""
-        self.free_blocks.extend(seq.block_table)
+        """Release ``seq``'s blocks; tail blocks first, so they are the first to be evicted later."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
         seq.block_table = []
+        seq.num_registered_blocks = 0

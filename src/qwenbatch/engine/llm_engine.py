@@ -56,7 +56,7 @@ class LLMEngine:
             )
         pool_tokens = num_blocks * config.block_size
         self.max_model_len = self._resolve_max_model_len(pool_tokens)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, self.dtype, device)
         self._requests: dict[str, _Request] = {}

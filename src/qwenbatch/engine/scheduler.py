@@ -5,6 +5,9 @@ decoding sequence, the next chunk for a partly prefilled prompt), then prefill c
 waiting sequences, up to ``max_num_seqs`` running. When a block cannot be had, the newest
 running sequence is preempted by recompute: its blocks are freed and it goes back to the front
 of the queue, keeping the tokens it generated.
+
+Waiting sequences are admitted longest-cached-prefix first while the queue is short (SGLang's
+policy: what is cached now may be evicted soon), in arrival order once it is long.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+
+# Above this many waiting sequences, ordering by cached prefix costs more than it saves.
+PREFIX_ORDER_MAX_WAITING = 64
 
 
 class Scheduler:
@@ -74,17 +81,35 @@ class Scheduler:
             i += 1
         # Then new prompts (or preempted ones, which were put at the front), chunked to the budget.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            seq = self.waiting[0]
+            seq = self._next_waiting()
+            if not seq.block_table:
+                self.block_manager.take_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(self._entry(seq, n))
             budget -= n
         return out
+
+    def _next_waiting(self) -> Sequence:
+        """Preempted sequences first; then the longest cached prefix while the queue is short."""
+        head = self.waiting[0]
+        if head.num_output_tokens > 0 or len(self.waiting) > PREFIX_ORDER_MAX_WAITING:
+            return head
+        best, best_cached = head, -1
+        for seq in self.waiting:
+            if seq.num_output_tokens > 0:
+                return seq
+            cached = self.block_manager.num_cached_tokens(seq)
+            if cached > best_cached:
+                best, best_cached = seq, cached
+        return best
 
     @staticmethod
     def _entry(seq: Sequence, n: int) -> ScheduledSequence:

@@ -33,6 +33,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of its full blocks (memo)
+    num_registered_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 

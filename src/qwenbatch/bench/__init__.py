@@ -1,0 +1,1 @@
+"""Benchmarks: fixed-seed workloads, our engine beside the transformers baseline, one run."""

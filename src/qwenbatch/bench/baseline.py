@@ -1,0 +1,83 @@
+"""The transformers baseline at its best: static batches sorted by length, left padding, the
+best batch size of a sweep. This is the system our users would otherwise run."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qwenbatch.bench.workloads import BenchRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StaticRun:
+    batch_size: int
+    wall_s: float
+    prompt_tokens: int
+    output_tokens: int  # tokens the requests asked for
+    computed_tokens: int  # tokens the static batches computed, padding included
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+def load_hf_model(folder: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+
+
+def run_static(model, requests: list[BenchRequest], batch_size: int, pad_id: int) -> StaticRun:
+    """Generate every request's output_len tokens in length-sorted static batches.
+
+    A static batch runs until its longest request is done, so shorter ones ride along as waste;
+    the waste is what ``computed_tokens`` counts beside the useful ``output_tokens``.
+    """
+    order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_token_ids))
+    start = time.perf_counter()
+    computed = 0
+    for b in range(0, len(order), batch_size):
+        batch = [requests[i] for i in order[b : b + batch_size]]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        new_tokens = max(r.output_len for r in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, r in enumerate(batch):
+            ids[row, width - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+            mask[row, width - len(r.prompt_token_ids) :] = 1
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=pad_id,
+                eos_token_id=None,
+            )
+        computed += len(batch) * (width + new_tokens)
+    return StaticRun(
+        batch_size,
+        time.perf_counter() - start,
+        sum(len(r.prompt_token_ids) for r in requests),
+        sum(r.output_len for r in requests),
+        computed,
+    )
+
+
+def best_batch_size(model, requests: list[BenchRequest], sizes: list[int], pad_id: int) -> tuple[int, list[dict]]:
+    """Sweep ``sizes`` on one batch each (the first ``size`` requests) and pick the highest output tok/s."""
+    sweep = []
+    for size in sizes:
+        run = run_static(model, requests[:size], size, pad_id)
+        sweep.append({"batch_size": size, "output_tps": run.output_tps})
+        logger.info("transformers sweep: batch %d -> %.1f output tok/s", size, run.output_tps)
+    best = max(sweep, key=lambda r: r["output_tps"])["batch_size"]
+    return best, sweep

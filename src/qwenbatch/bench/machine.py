@@ -1,0 +1,65 @@
+"""What this machine can do, measured in the same run as a benchmark: GEMM rate, copy bandwidth, RSS."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import psutil
+import torch
+
+
+def gemm_gflops(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    """Median GFLOP/s of a ``size``-cubed matrix product in ``dtype``."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times) / 1e9
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Median GB/s of a large tensor copy, counting bytes read plus bytes written."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+class PeakRSS:
+    """Samples this process's RSS in a thread while the ``with`` block runs; ``.peak_mib`` after."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        proc = psutil.Process()
+        while not self._stop.is_set():
+            self.peak_bytes = max(self.peak_bytes, proc.memory_info().rss)
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> PeakRSS:
+        self.peak_bytes = psutil.Process().memory_info().rss
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_bytes = max(self.peak_bytes, psutil.Process().memory_info().rss)
+
+    @property
+    def peak_mib(self) -> float:
+        return self.peak_bytes / 2**20

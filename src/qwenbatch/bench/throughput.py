@@ -1,0 +1,129 @@
+"""``qwenbatch bench throughput``: a workload on our engine and, optionally, on transformers in the same run."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from qwenbatch.bench.machine import PeakRSS, copy_bandwidth_gbs, gemm_gflops
+from qwenbatch.bench.workloads import BenchRequest
+from qwenbatch.config import EngineConfig
+from qwenbatch.models.config import ModelConfig
+from qwenbatch.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SystemResult:
+    system: str
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    wall_s: float
+    peak_rss_mib: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def total_tps(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.wall_s
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "output_tps": self.output_tps, "total_tps": self.total_tps}
+
+
+def matmul_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(matmul parameters of the decoder layers, parameters of the LM head)."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    per_layer = h * (q + 2 * kv) + q * h + 2 * h * i + i * h
+    return per_layer * cfg.num_hidden_layers, cfg.vocab_size * h
+
+
+def run_ours(config: EngineConfig, requests: list[BenchRequest], llm=None) -> tuple[SystemResult, object]:
+    """Run ``requests`` on our engine (greedy, eos ignored); returns the result and the LLM for reuse."""
+    from qwenbatch.llm import LLM
+
+    with PeakRSS() as rss:
+        llm = llm or LLM(**vars(config))
+        bm = llm.engine.block_manager
+        hits0, queries0, preempt0 = bm.prefix_cache_hits, bm.prefix_cache_queries, llm.engine.scheduler.num_preemptions
+        params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+        start = time.perf_counter()
+        outputs = list(
+            llm.generate_iter([r.prompt_token_ids for r in requests], params, use_tqdm=True, total=len(requests))
+        )
+        wall = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for _, o in outputs)
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    hits = bm.prefix_cache_hits - hits0
+    queries = bm.prefix_cache_queries - queries0
+    layer_params, head_params = matmul_params(llm.engine.model_config)
+    computed = prompt_tokens - hits + produced - len(requests)  # the last sampled token is never fed back
+    model_flops = 2 * (layer_params * computed + head_params * produced)
+    extra = {
+        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+        "preemptions": llm.engine.scheduler.num_preemptions - preempt0,
+        "model_gflops": model_flops / wall / 1e9,
+        "dtype": str(llm.engine.dtype).removeprefix("torch."),
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "prefix_caching": config.enable_prefix_caching,
+    }
+    result = SystemResult("qwenbatch", len(requests), prompt_tokens, produced, wall, rss.peak_mib, extra)
+    return result, llm
+
+
+def run_transformers(config: EngineConfig, requests: list[BenchRequest], sizes: list[int]) -> SystemResult:
+    """The baseline at its best batch size of a sweep over ``sizes``."""
+    from qwenbatch.bench.baseline import best_batch_size, load_hf_model, run_static
+    from qwenbatch.loader import resolve_model_dir
+
+    with PeakRSS() as rss:
+        model = load_hf_model(resolve_model_dir(config.model), config.torch_dtype)
+        pad_id = 151643
+        best, sweep = best_batch_size(model, requests, sizes, pad_id)
+        run = run_static(model, requests, best, pad_id)
+    del model
+    extra = {
+        "best_batch_size": best,
+        "sweep": sweep,
+        "effective_token_ratio": (run.prompt_tokens + run.output_tokens) / run.computed_tokens,
+    }
+    return SystemResult(
+        "transformers", len(requests), run.prompt_tokens, run.output_tokens, run.wall_s, rss.peak_mib, extra
+    )
+
+
+def batch1_bandwidth(llm, output_len: int = 48) -> dict:
+    """Batch-1 decode: weight bytes read per step x steps/s, beside the measured copy bandwidth."""
+    model = llm.engine.runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    if model.lm_head.weight is not embed:  # an untied embedding is read one row per token, not whole
+        weight_bytes -= embed.numel() * embed.element_size()
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([[1000 + i for i in range(16)]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    start = time.perf_counter()
+    llm.generate([[2000 + i for i in range(16)]], params, use_tqdm=False)
+    steps_per_s = output_len / (time.perf_counter() - start)  # the prefill step is one of them
+    achieved = weight_bytes * steps_per_s / 1e9
+    copy = copy_bandwidth_gbs()
+    return {
+        "weight_bytes_per_step": weight_bytes,
+        "steps_per_s": steps_per_s,
+        "achieved_read_gbs": achieved,
+        "copy_bandwidth_gbs": copy,
+        "fraction_of_copy": achieved / copy,
+    }
+
+
+def machine_rates(dtype: torch.dtype) -> dict:
+    return {"gemm_2048_gflops": gemm_gflops(dtype), "gemm_dtype": str(dtype).removeprefix("torch.")}
