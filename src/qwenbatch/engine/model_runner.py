@@ -10,6 +10,7 @@ from torch import nn
 
 from qwenbatch.engine.scheduler import SchedulerOutput
 from qwenbatch.layers.attention import AttentionMetadata, PrefillSpan
+from qwenbatch.layers.linear import onednn_available, pack_linears
 from qwenbatch.layers.sampler import SamplingRow, sample
 from qwenbatch.models.config import ModelConfig
 
@@ -41,6 +42,8 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
+        if onednn_available(dtype, device):
+            pack_linears(model)
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
