@@ -66,3 +66,24 @@ def test_batch_of_8_mixed_lengths_equals_alone(llm, prompt_ids):
     for prompt, output in zip(prompts, batched, strict=True):
         alone = llm.generate([prompt], params, use_tqdm=False)[0]
         assert output.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_chunked_prefill_preemption_and_prefix_caching_do_not_change_greedy_output(llm, prompt_ids):
+    from qwenbatch.engine.model_runner import kv_cache_bytes_per_token
+
+    system = [{"role": "system", "content": "You are a careful senior engineer. Answer briefly and precisely."}]
+    tok = llm.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([*system, {"role": "user", "content": c}])) for c in CHATS]
+    prompts += prompt_ids
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    per_token = kv_cache_bytes_per_token(llm.engine.model_config, llm.engine.dtype)
+    tight = LLM(
+        model="default", dtype="float32", max_num_batched_tokens=64, kv_cache_memory=160 * per_token, max_model_len=128
+    )
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert got == reference
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.block_manager.prefix_cache_hits > 0
+    bm = tight.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

@@ -131,3 +131,34 @@ def test_prefix_caching_on_and_off_give_the_same_greedy_output(folder, alone):
     assert bm.prefix_cache_hits >= 11 * 96 + 12 * 96  # shared within the first call, all of it the second time
     assert off.engine.block_manager.prefix_cache_hits == 0
     assert_all_blocks_free(on)
+
+
+def test_kv_cache_bytes_per_token_is_exact_and_the_pool_matches_the_budget(folder):
+    import torch
+
+    from qwenbatch.engine.model_runner import kv_cache_bytes_per_token
+
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=3 * 2**20, block_size=16)
+    cfg = llm.engine.model_config
+    per_token = kv_cache_bytes_per_token(cfg, torch.float32)
+    assert per_token == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    pool_bytes = sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches)
+    num_blocks = llm.engine.block_manager.num_blocks
+    assert pool_bytes == num_blocks * 16 * per_token
+    assert num_blocks == 3 * 2**20 // (16 * per_token)
+
+
+def test_kv_cache_memory_as_a_fraction_of_available_memory(folder, monkeypatch):
+    import psutil
+
+    from qwenbatch.engine import llm_engine
+
+    class FakeMemory:
+        available = 64 * 2**20
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: FakeMemory)
+    assert llm_engine.kv_cache_budget(0.25) == 16 * 2**20
+    assert llm_engine.kv_cache_budget(None) == 16 * 2**20  # default: 4 GiB capped at a quarter
+    assert llm_engine.kv_cache_budget(5000) == 5000
+    with pytest.raises(ValueError, match="fraction in"):
+        LLM(model=folder, kv_cache_memory=1.5)

@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from qwenbatch.config import EngineConfig, parse_bytes
+from qwenbatch.config import EngineConfig, parse_kv_cache_memory
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +41,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="reuse the KV of shared prompt prefixes (default: on)",
     )
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV-cache size, e.g. 4GiB")
+    g.add_argument(
+        "--kv-cache-memory",
+        type=parse_kv_cache_memory,
+        default=None,
+        help="KV-cache size in bytes (4GiB) or as a fraction of the memory left after the weights (0.5); default 4GiB",
+    )
     g.add_argument("--seed", type=int, default=None)
 
 

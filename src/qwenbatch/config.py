@@ -30,6 +30,15 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def parse_kv_cache_memory(text: str) -> int | float:
+    """'4GiB' -> bytes; '0.3' -> a fraction of the memory available once the weights are loaded."""
+    try:
+        value = float(text)
+    except ValueError:
+        return parse_bytes(text)
+    return value if 0 < value < 1 else parse_bytes(text)
+
+
 def parse_bytes(text: str | int) -> int:
     """'4GiB', '512MB', '1e9' or an int -> bytes."""
     if isinstance(text, int):
@@ -65,7 +74,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     enable_prefix_caching: bool = True
-    kv_cache_memory: int | None = None  # bytes; default: 4 GiB, at most a quarter of available memory
+    # Bytes, or a fraction (0, 1) of the memory available after loading the weights.
+    # Default: 4 GiB, at most a quarter of available memory.
+    kv_cache_memory: int | float | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -79,8 +90,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+        kv = self.kv_cache_memory
+        if kv is not None and (kv <= 0 or (isinstance(kv, float) and kv >= 1)):
+            raise ValueError(f"kv_cache_memory must be a byte count or a fraction in (0, 1), got {kv!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -100,7 +112,7 @@ class EngineConfig:
             if raw is None:
                 continue
             if f.name == "kv_cache_memory":
-                values[f.name] = parse_bytes(raw)
+                values[f.name] = parse_kv_cache_memory(raw)
             elif f.type == "bool":
                 values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
             elif f.type in ("int", "int | None"):

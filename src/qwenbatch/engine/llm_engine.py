@@ -25,6 +25,17 @@ logger = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_CAP = 4 * 2**30  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE)
 
 
+def kv_cache_budget(setting: int | float | None) -> int:
+    """Bytes for the KV pool: as set, a fraction of available memory (checked after loading the weights),
+    or by default 4 GiB capped at a quarter of what is available."""
+    available = psutil.virtual_memory().available
+    if setting is None:
+        return min(DEFAULT_KV_CACHE_CAP, available // 4)
+    if isinstance(setting, float):
+        return int(setting * available)
+    return setting
+
+
 @dataclass(eq=False)
 class _Request:
     request_id: str
@@ -47,7 +58,7 @@ class LLMEngine:
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else loaded.config.eos_token_ids
 
         per_token = kv_cache_bytes_per_token(loaded.config, self.dtype)
-        kv_bytes = config.kv_cache_memory or min(DEFAULT_KV_CACHE_CAP, psutil.virtual_memory().available // 4)
+        kv_bytes = kv_cache_budget(config.kv_cache_memory)
         num_blocks = kv_bytes // (per_token * config.block_size)
         if num_blocks < 1:
             raise ValueError(
