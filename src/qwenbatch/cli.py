@@ -142,6 +142,10 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         base = throughput.run_transformers(config, requests, sizes)
         results.append(base)
         report["ratio_output_tps"] = ours.output_tps / base.output_tps
+    # The matmul rate again after the runs; the better of the two is the machine's rate.
+    report["machine"]["gemm_2048_gflops"] = max(
+        report["machine"]["gemm_2048_gflops"], throughput.machine_rates(config.torch_dtype)["gemm_2048_gflops"]
+    )
     report["systems"] = [r.to_dict() for r in results]
     report["model_gflops_fraction_of_gemm"] = ours.extra["model_gflops"] / report["machine"]["gemm_2048_gflops"]
 

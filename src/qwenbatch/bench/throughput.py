@@ -104,11 +104,9 @@ def run_transformers(config: EngineConfig, requests: list[BenchRequest], sizes: 
 
 def batch1_bandwidth(llm, output_len: int = 48) -> dict:
     """Batch-1 decode: weight bytes read per step x steps/s, beside the measured copy bandwidth."""
-    model = llm.engine.runner.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = model.model.embed_tokens.weight
-    if model.lm_head.weight is not embed:  # an untied embedding is read one row per token, not whole
-        weight_bytes -= embed.numel() * embed.element_size()
+    # Every matmul weight is read once a step; the embedding only one row per token.
+    layer_params, head_params = matmul_params(llm.engine.model_config)
+    weight_bytes = (layer_params + head_params) * torch.tensor([], dtype=llm.engine.dtype).element_size()
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([[1000 + i for i in range(16)]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     start = time.perf_counter()
