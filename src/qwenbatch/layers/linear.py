@@ -42,10 +42,11 @@ def pack_linears(model: nn.Module) -> int:
 
     The dense weights are released as they go (a tied LM head keeps the embedding it shares).
     """
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    for name, module in targets:
+    # Names, not modules: holding the modules would keep every dense weight alive until the end.
+    names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(module))
-    logger.info("packed %d linear layers for oneDNN", len(targets))
-    return len(targets)
+        setattr(parent, child, PackedLinear(getattr(parent, child)))
+    logger.info("packed %d linear layers for oneDNN", len(names))
+    return len(names)
