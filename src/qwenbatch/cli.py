@@ -115,69 +115,21 @@ def build_parser() -> argparse.ArgumentParser:
 def _bench_throughput(args: argparse.Namespace) -> int:
     import json
 
-    from qwenbatch.bench import throughput
+    from qwenbatch.bench.report import format_report, throughput_report
     from qwenbatch.bench.workloads import WORKLOADS, parse_range, random_workload
+    from qwenbatch.loader import model_config_of
 
-    if args.workload == "random":
-        requests = random_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len))
-    else:
-        requests = WORKLOADS[args.workload]()
     config = engine_config_from_args(args)
-    report: dict = {"workload": args.workload, "machine": throughput.machine_rates(config.torch_dtype)}
-    ours, llm = throughput.run_ours(config, requests)
-    results = [ours]
-    if args.compare_prefix_caching:
-        del llm
-        off = EngineConfig(**{**vars(config), "enable_prefix_caching": not config.enable_prefix_caching})
-        other, llm = throughput.run_ours(off, requests)
-        other.system = f"qwenbatch (prefix caching {'on' if off.enable_prefix_caching else 'off'})"
-        results.append(other)
-        with_cache, without = (ours, other) if config.enable_prefix_caching else (other, ours)
-        report["prefix_caching_speedup"] = without.wall_s / with_cache.wall_s
-    if args.batch1:
-        report["batch1"] = throughput.batch1_bandwidth(llm)
-    del llm
-    if args.baseline:
-        sizes = [int(s) for s in args.baseline_batch_sizes.split(",")]
-        base = throughput.run_transformers(config, requests, sizes)
-        results.append(base)
-        report["ratio_output_tps"] = ours.output_tps / base.output_tps
-    # The matmul rate again after the runs; the better of the two is the machine's rate.
-    report["machine"]["gemm_2048_gflops"] = max(
-        report["machine"]["gemm_2048_gflops"], throughput.machine_rates(config.torch_dtype)["gemm_2048_gflops"]
-    )
-    report["systems"] = [r.to_dict() for r in results]
-    report["model_gflops_fraction_of_gemm"] = ours.extra["model_gflops"] / report["machine"]["gemm_2048_gflops"]
-
-    print(
-        f"{'system':<34} {'reqs':>5} {'prompt':>7} {'output':>7} {'wall s':>7} {'out tok/s':>10} "
-        f"{'tot tok/s':>10} {'peak RSS MiB':>12}"
-    )
-    for r in results:
-        print(
-            f"{r.system:<34} {r.requests:>5} {r.prompt_tokens:>7} {r.output_tokens:>7} {r.wall_s:>7.1f} "
-            f"{r.output_tps:>10.1f} {r.total_tps:>10.1f} {r.peak_rss_mib:>12.0f}"
+    vocab = model_config_of(config).vocab_size  # random prompt tokens must fit the model's vocabulary
+    if args.workload == "random":
+        requests = random_workload(
+            args.num_prompts, parse_range(args.input_len), parse_range(args.output_len), vocab_size=vocab
         )
-    m = report["machine"]
-    print(
-        f"model FLOP/s {ours.extra['model_gflops']:.1f} GFLOP/s = "
-        f"{100 * report['model_gflops_fraction_of_gemm']:.0f}% of a 2048^3 {m['gemm_dtype']} matmul "
-        f"({m['gemm_2048_gflops']:.1f} GFLOP/s); prefix-cache hit rate {ours.extra['prefix_cache_hit_rate']:.1%}"
-    )
-    if "ratio_output_tps" in report:
-        print(
-            f"ratio output tok/s (ours / transformers at batch {base.extra['best_batch_size']}): "
-            f"{report['ratio_output_tps']:.2f}"
-        )
-    if "prefix_caching_speedup" in report:
-        print(f"prefix caching speed-up end to end: {report['prefix_caching_speedup']:.2f}x")
-    if "batch1" in report:
-        b = report["batch1"]
-        print(
-            f"batch-1 decode: {b['steps_per_s']:.1f} steps/s x {b['weight_bytes_per_step'] / 1e9:.2f} GB = "
-            f"{b['achieved_read_gbs']:.1f} GB/s, {100 * b['fraction_of_copy']:.0f}% of copy bandwidth "
-            f"({b['copy_bandwidth_gbs']:.1f} GB/s)"
-        )
+    else:
+        requests = WORKLOADS[args.workload](vocab)
+    sizes = [int(s) for s in args.baseline_batch_sizes.split(",")] if args.baseline else None
+    report = throughput_report(config, args.workload, requests, sizes, args.compare_prefix_caching, args.batch1)
+    print(format_report(report))
     if args.output:
         args.output.write_text(json.dumps(report, indent=2))
     return 0

@@ -88,7 +88,10 @@ def run_transformers(config: EngineConfig, requests: list[BenchRequest], sizes: 
 
     with PeakRSS() as rss:
         model = load_hf_model(resolve_model_dir(config.model), config.torch_dtype)
-        pad_id = 151643
+        pad_id = model.config.pad_token_id
+        if pad_id is None:
+            eos = model.config.eos_token_id
+            pad_id = eos[0] if isinstance(eos, list) else (eos or 0)
         best, sweep = best_batch_size(model, requests, sizes, pad_id)
         run = run_static(model, requests, best, pad_id)
     del model
@@ -108,9 +111,10 @@ def batch1_bandwidth(llm, output_len: int = 48) -> dict:
     layer_params, head_params = matmul_params(llm.engine.model_config)
     weight_bytes = (layer_params + head_params) * torch.tensor([], dtype=llm.engine.dtype).element_size()
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([[1000 + i for i in range(16)]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    base = min(1000, llm.engine.model_config.vocab_size // 4)
+    llm.generate([[base + i for i in range(16)]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     start = time.perf_counter()
-    llm.generate([[2000 + i for i in range(16)]], params, use_tqdm=False)
+    llm.generate([[base + 2 * i for i in range(16)]], params, use_tqdm=False)
     steps_per_s = output_len / (time.perf_counter() - start)  # the prefill step is one of them
     achieved = weight_bytes * steps_per_s / 1e9
     copy = copy_bandwidth_gbs()

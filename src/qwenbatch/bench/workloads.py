@@ -5,8 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-# Random prompt tokens come from the ordinary vocabulary, away from Qwen's special ids (>= 151643).
-TOKEN_RANGE = (1000, 150_000)
+QWEN_VOCAB = 151_936
 
 
 @dataclass(frozen=True)
@@ -15,16 +14,25 @@ class BenchRequest:
     output_len: int
 
 
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
+def _tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    # Ordinary tokens: for Qwen's vocabulary [1000, 150000), away from the special ids (>= 151643).
+    low, high = min(1000, vocab_size // 4), min(150_000, vocab_size)
+    return [rng.randrange(low, high) for _ in range(n)]
 
 
 def random_workload(
-    num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int = 0
+    num_prompts: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    seed: int = 0,
+    vocab_size: int = QWEN_VOCAB,
 ) -> list[BenchRequest]:
     """``num_prompts`` random-token prompts with lengths uniform in the given inclusive ranges."""
     rng = random.Random(seed)
-    return [BenchRequest(_tokens(rng, rng.randint(*input_len)), rng.randint(*output_len)) for _ in range(num_prompts)]
+    return [
+        BenchRequest(_tokens(rng, rng.randint(*input_len), vocab_size), rng.randint(*output_len))
+        for _ in range(num_prompts)
+    ]
 
 
 def shared_prefix_workload(
@@ -33,16 +41,19 @@ def shared_prefix_workload(
     tail_len: tuple[int, int] = (32, 64),
     output_len: int = 32,
     seed: int = 0,
+    vocab_size: int = QWEN_VOCAB,
 ) -> list[BenchRequest]:
     """Requests sharing one ``prefix_len``-token system prompt, each with its own tail."""
     rng = random.Random(seed)
-    prefix = _tokens(rng, prefix_len)
-    return [BenchRequest(prefix + _tokens(rng, rng.randint(*tail_len)), output_len) for _ in range(num_prompts)]
+    prefix = _tokens(rng, prefix_len, vocab_size)
+    return [
+        BenchRequest(prefix + _tokens(rng, rng.randint(*tail_len), vocab_size), output_len) for _ in range(num_prompts)
+    ]
 
 
 WORKLOADS = {
-    "cpu-mixed": lambda: random_workload(64, (32, 512), (16, 128)),
-    "shared-prefix": shared_prefix_workload,
+    "cpu-mixed": lambda vocab_size: random_workload(64, (32, 512), (16, 128), vocab_size=vocab_size),
+    "shared-prefix": lambda vocab_size: shared_prefix_workload(vocab_size=vocab_size),
 }
 
 

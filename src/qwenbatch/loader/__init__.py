@@ -61,6 +61,13 @@ def _converted_gguf_dir(path: Path) -> Path:
     return folder
 
 
+def model_config_of(config) -> ModelConfig:
+    """The architecture of an EngineConfig's model, without loading weights."""
+    if config.load_format == "dummy":
+        return dummy_config(config.model)
+    return ModelConfig.from_folder(resolve_model_dir(config.model))
+
+
 def load_model(model: str, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
     """Load ``model`` in ``dtype`` on ``device``; ``load_format="dummy"`` builds random weights of its shape."""
     if load_format not in LOAD_FORMATS:

@@ -1,0 +1,83 @@
+"""The throughput benchmark's report: run the systems, collect one dict, format it as a table."""
+
+from __future__ import annotations
+
+from qwenbatch.bench import throughput
+from qwenbatch.bench.workloads import BenchRequest
+from qwenbatch.config import EngineConfig
+
+
+def throughput_report(
+    config: EngineConfig,
+    workload: str,
+    requests: list[BenchRequest],
+    baseline_sizes: list[int] | None,
+    compare_prefix_caching: bool,
+    batch1: bool,
+) -> dict:
+    """Run ours (and optionally ours without prefix caching, batch 1, transformers) in this process.
+
+    Keys: workload, machine, systems (per system: requests, prompt/output tokens, wall_s,
+    output_tps, total_tps, peak_rss_mib, extra), model_gflops_fraction_of_gemm, and when asked
+    prefix_caching_speedup, batch1, ratio_output_tps (ours / transformers).
+    """
+    report: dict = {"workload": workload, "machine": throughput.machine_rates(config.torch_dtype)}
+    ours, llm = throughput.run_ours(config, requests)
+    results = [ours]
+    if compare_prefix_caching:
+        del llm
+        flipped = EngineConfig(**{**vars(config), "enable_prefix_caching": not config.enable_prefix_caching})
+        other, llm = throughput.run_ours(flipped, requests)
+        other.system = f"qwenbatch (prefix caching {'on' if flipped.enable_prefix_caching else 'off'})"
+        results.append(other)
+        with_cache, without = (ours, other) if config.enable_prefix_caching else (other, ours)
+        report["prefix_caching_speedup"] = without.wall_s / with_cache.wall_s
+    if batch1:
+        report["batch1"] = throughput.batch1_bandwidth(llm)
+    del llm
+    if baseline_sizes:
+        base = throughput.run_transformers(config, requests, baseline_sizes)
+        results.append(base)
+        report["ratio_output_tps"] = ours.output_tps / base.output_tps
+        report["baseline_batch_size"] = base.extra["best_batch_size"]
+    # The matmul rate again after the runs; the better of the two is the machine's rate.
+    gemm = max(report["machine"]["gemm_2048_gflops"], throughput.machine_rates(config.torch_dtype)["gemm_2048_gflops"])
+    report["machine"]["gemm_2048_gflops"] = gemm
+    report["systems"] = [r.to_dict() for r in results]
+    report["model_gflops_fraction_of_gemm"] = ours.extra["model_gflops"] / gemm
+    return report
+
+
+def format_report(report: dict) -> str:
+    """The report as the table and lines the CLI prints."""
+    lines = [
+        f"{'system':<34} {'reqs':>5} {'prompt':>7} {'output':>7} {'wall s':>7} {'out tok/s':>10} "
+        f"{'tot tok/s':>10} {'peak RSS MiB':>12}"
+    ]
+    for r in report["systems"]:
+        lines.append(
+            f"{r['system']:<34} {r['requests']:>5} {r['prompt_tokens']:>7} {r['output_tokens']:>7} "
+            f"{r['wall_s']:>7.1f} {r['output_tps']:>10.1f} {r['total_tps']:>10.1f} "
+            f"{r['peak_rss_mib']:>12.0f}"
+        )
+    ours, m = report["systems"][0]["extra"], report["machine"]
+    lines.append(
+        f"model FLOP/s {ours['model_gflops']:.1f} GFLOP/s = "
+        f"{100 * report['model_gflops_fraction_of_gemm']:.0f}% of a 2048^3 {m['gemm_dtype']} matmul "
+        f"({m['gemm_2048_gflops']:.1f} GFLOP/s); prefix-cache hit rate {ours['prefix_cache_hit_rate']:.1%}"
+    )
+    if "ratio_output_tps" in report:
+        lines.append(
+            f"ratio output tok/s (ours / transformers at batch {report['baseline_batch_size']}): "
+            f"{report['ratio_output_tps']:.2f}"
+        )
+    if "prefix_caching_speedup" in report:
+        lines.append(f"prefix caching speed-up end to end: {report['prefix_caching_speedup']:.2f}x")
+    if "batch1" in report:
+        b = report["batch1"]
+        lines.append(
+            f"batch-1 decode: {b['steps_per_s']:.1f} steps/s x {b['weight_bytes_per_step'] / 1e9:.2f} GB = "
+            f"{b['achieved_read_gbs']:.1f} GB/s, {100 * b['fraction_of_copy']:.0f}% of copy bandwidth "
+            f"({b['copy_bandwidth_gbs']:.1f} GB/s)"
+        )
+    return "\n".join(lines)
