@@ -1,13 +1,10 @@
-"""Shared helpers for the benchmark scripts: prompts, timing, peak RSS, the transformers baseline."""
+"""Shared helpers for the benchmark scripts: real chat prompts and timing."""
 
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 from collections.abc import Callable
-
-import torch
 
 # Real instructions (Chinese and English) for chat-shaped workloads.
 CHAT_INSTRUCTIONS = [
@@ -30,11 +27,6 @@ CHAT_INSTRUCTIONS = [
 ]
 
 
-def peak_rss_mib() -> float:
-    """Peak resident memory of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def median_time(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
     """Median wall seconds of ``repeats`` calls, and the last result."""
     times, result = [], None
@@ -43,22 +35,3 @@ def median_time(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
         result = fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times), result
-
-
-def hf_generate_static(model, batches: list[list[list[int]]], max_new_tokens: int, pad_id: int) -> int:
-    """transformers.generate over static batches with left padding; returns generated tokens."""
-    generated = 0
-    for batch in batches:
-        width = max(len(p) for p in batch)
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, p in enumerate(batch):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=None,
-            )
-        generated += (out.shape[1] - width) * len(batch)
-    return generated

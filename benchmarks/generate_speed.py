@@ -15,10 +15,11 @@ import logging
 import sys
 
 import torch
-from common import CHAT_INSTRUCTIONS, hf_generate_static, median_time
-from transformers import AutoModelForCausalLM
+from common import CHAT_INSTRUCTIONS, median_time
 
 from qwenbatch import LLM, SamplingParams
+from qwenbatch.bench.baseline import load_hf_model, run_static
+from qwenbatch.bench.workloads import BenchRequest
 from qwenbatch.loader.default_model import default_model_dir
 
 
@@ -36,7 +37,7 @@ def main() -> None:
     folder = default_model_dir()
     dtype = getattr(torch, args.dtype)
     llm = LLM(model=str(folder), dtype=args.dtype)
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+    hf = load_hf_model(folder, dtype)
     tok = llm.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in CHAT_INSTRUCTIONS]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -45,16 +46,26 @@ def main() -> None:
     for bs in (int(b) for b in args.batch_sizes.split(",")):
         batch = (prompts * (bs // len(prompts) + 1))[:bs]
         ours_s, _ = median_time(lambda b=batch: llm.generate(b, params, use_tqdm=False), args.repeats)
-        hf_s, _ = median_time(lambda b=batch: hf_generate_static(hf, [b], args.max_tokens, 151643), args.repeats)
+        static = [BenchRequest(p, args.max_tokens) for p in batch]
+        hf_s, _ = median_time(lambda r=static, n=bs: run_static(hf, r, n, pad_id=151643), args.repeats)
         tokens = bs * args.max_tokens
-        rows.append({
-            "batch": bs, "dtype": args.dtype, "prompt_tokens": sum(map(len, batch)), "output_tokens": tokens,
-            "ours_tok_s": tokens / ours_s, "transformers_tok_s": tokens / hf_s, "ratio": hf_s / ours_s,
-        })
+        rows.append(
+            {
+                "batch": bs,
+                "dtype": args.dtype,
+                "prompt_tokens": sum(map(len, batch)),
+                "output_tokens": tokens,
+                "ours_tok_s": tokens / ours_s,
+                "transformers_tok_s": tokens / hf_s,
+                "ratio": hf_s / ours_s,
+            }
+        )
     print(f"{'batch':>5} {'dtype':>9} {'ours tok/s':>11} {'HF tok/s':>9} {'ratio':>6}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['dtype']:>9} {r['ours_tok_s']:>11.1f} {r['transformers_tok_s']:>9.1f} "
-              f"{r['ratio']:>6.2f}")
+        print(
+            f"{r['batch']:>5} {r['dtype']:>9} {r['ours_tok_s']:>11.1f} {r['transformers_tok_s']:>9.1f} "
+            f"{r['ratio']:>6.2f}"
+        )
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=2)

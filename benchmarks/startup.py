@@ -54,8 +54,10 @@ def main() -> None:
         "warm_runs": warm,
     }
     print(f"cold start: {cold['wall_s']:.1f} s, peak RSS {cold['peak_rss_mib']:.0f} MiB")
-    print(f"warm start: {report['warm_median_wall_s']:.1f} s (median of {len(warm)}), "
-          f"peak RSS {report['warm_median_peak_rss_mib']:.0f} MiB")
+    print(
+        f"warm start: {report['warm_median_wall_s']:.1f} s (median of {len(warm)}), "
+        f"peak RSS {report['warm_median_peak_rss_mib']:.0f} MiB"
+    )
     if args.output:
         with open(args.output, "w") as f:
             json.dump(report, f, indent=2)

@@ -35,10 +35,6 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False)
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Encode many texts in one call to the Rust tokenizer."""
-        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
-
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 

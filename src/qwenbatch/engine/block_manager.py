@@ -50,11 +50,6 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
 
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks held by sequences (free cached blocks count as free)."""
-        return 1.0 - len(self.free_queue) / self.num_blocks
-
     # -- prefix cache -------------------------------------------------------------------------------
 
     def _full_block_hashes(self, seq: Sequence, num_tokens: int) -> list[int]:

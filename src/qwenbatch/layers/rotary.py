@@ -32,12 +32,18 @@ class RotaryEmbedding(nn.Module):
             self._cos, self._sin = emb.cos(), emb.sin()
         return self._cos, self._sin
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T] int64."""
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, head_dim]`` for the packed tokens' positions; computed once per step
+        and shared by every layer."""
         cos_table, sin_table = self._table(int(positions.max()) + 1, positions.device)
-        cos = cos_table[positions].to(q.dtype)[:, None, :]
-        sin = sin_table[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return cos_table[positions].to(dtype)[:, None, :], sin_table[positions].to(dtype)[:, None, :]
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; cos/sin from RotaryEmbedding."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
