@@ -108,3 +108,16 @@ def default_model_dir() -> Path:
     from qwenbatch.loader.default_model import default_model_dir as build
 
     return build()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_qwen3):
+    """A server on the tiny Qwen3 checkpoint, float32, answering to "tiny" and "tiny-alias"."""
+    from qwenbatch.config import EngineConfig
+    from qwenbatch.server.app import ServerSettings
+    from server_harness import RunningServer
+
+    settings = ServerSettings(served_model_names=["tiny", "tiny-alias"])
+    config = EngineConfig(model=str(tiny_qwen3), dtype="float32", kv_cache_memory=2**24)
+    with RunningServer(settings, config) as server:
+        yield server

@@ -33,7 +33,16 @@ class Tokenizer:
         return len(self.hf)
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False)
+        # The Rust tokenizer directly: transformers' encode resets truncation state on every call,
+        # which fails ("Already borrowed") when another thread detokenizes at the same time.
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text (for logprobs); a byte-level piece of a character may decode to '\ufffd'."""
+        return self.backend.decode([token_id], skip_special_tokens=False)
+
+    def has_token(self, text: str) -> bool:
+        return self.backend.token_to_id(text) is not None
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -85,16 +94,84 @@ class IncrementalDetokenizer:
                 return s
         return None
 
+    def stable_length(self, final: bool) -> int:
+        """How much of ``text`` a stop string can no longer cut: all of it once the sequence is final."""
+        if final or self.max_stop_len <= 1:
+            return len(self.text)
+        return max(0, len(self.text) - (self.max_stop_len - 1))
 
-def split_reasoning(text: str) -> tuple[str | None, str]:
+
+def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
     """Split a thinking model's output into (reasoning, answer).
 
     Handles both Qwen3 styles: the model writes ``<think>`` itself, or the template already
-    opened it and only ``</think>`` appears. An unfinished thought is all reasoning.
+    opened it (``opened``) and only ``</think>`` appears. An unfinished thought is all reasoning.
     """
     if THINK_END in text:
         reasoning, answer = text.split(THINK_END, 1)
         return reasoning.replace(THINK_START, "", 1).strip(), answer.lstrip("\n")
     if text.lstrip().startswith(THINK_START):
         return text.lstrip()[len(THINK_START) :].strip(), ""
+    if opened:
+        return text.strip(), ""
     return None, text
+
+
+class ReasoningStream:
+    """``split_reasoning`` for text that arrives in pieces: ``feed`` returns (reasoning, answer) deltas.
+
+    Text that may still turn out to be part of ``<think>`` or ``</think>`` (or whitespace that the
+    split would strip) is held back until the next piece or ``finish``.
+    """
+
+    def __init__(self, opened: bool = False) -> None:
+        self.state = "reasoning" if opened else "start"
+        self.pending = ""
+        self.reasoning_started = False
+        self.answer_started = False
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self.pending += text
+        reasoning = ""
+        if self.state == "start":
+            head = self.pending.lstrip()
+            if head.startswith(THINK_START):
+                self.pending, self.state = head[len(THINK_START) :], "reasoning"
+            elif not head or THINK_START.startswith(head):
+                return "", ""
+            else:
+                self.state = "answer"
+        if self.state == "reasoning":
+            if not self.reasoning_started:
+                self.pending = self.pending.lstrip()
+                self.reasoning_started = bool(self.pending)
+            at = self.pending.find(THINK_END)
+            if at != -1:
+                reasoning = self.pending[:at].rstrip()
+                self.pending, self.state = self.pending[at + len(THINK_END) :], "answer"
+            else:
+                keep = _partial_suffix(self.pending, THINK_END)
+                body = self.pending[: len(self.pending) - keep]
+                cut = len(body.rstrip())  # trailing whitespace waits: it is stripped if </think> follows
+                reasoning, self.pending = body[:cut], self.pending[cut:]
+                return reasoning, ""
+        if not self.answer_started:
+            self.pending = self.pending.lstrip("\n")
+            self.answer_started = bool(self.pending)
+        answer, self.pending = self.pending, ""
+        return reasoning, answer
+
+    def finish(self) -> tuple[str, str]:
+        """Flush what was held back at the end of the output."""
+        rest, self.pending = self.pending, ""
+        if self.state == "reasoning":
+            return rest.rstrip(), ""
+        return "", rest if self.state == "answer" or rest.strip() else ""
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

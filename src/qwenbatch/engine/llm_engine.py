@@ -1,10 +1,11 @@
-"""LLMEngine: requests in, one scheduled forward step at a time, finished outputs out."""
+"""LLMEngine: requests in, one scheduled forward step at a time, outputs (final or streamed deltas) out."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
-from dataclasses import dataclass
+import time
 
 import psutil
 import torch
@@ -12,11 +13,13 @@ import torch
 from qwenbatch.config import EngineConfig
 from qwenbatch.engine.block_manager import BlockManager
 from qwenbatch.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
+from qwenbatch.engine.request import EngineRequest
 from qwenbatch.engine.scheduler import Scheduler
 from qwenbatch.engine.sequence import Sequence
+from qwenbatch.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from qwenbatch.layers.sampler import SamplingRow
 from qwenbatch.loader import load_model
-from qwenbatch.outputs import CompletionOutput, RequestOutput
+from qwenbatch.outputs import RequestOutput
 from qwenbatch.sampling_params import SamplingParams
 from qwenbatch.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -34,14 +37,6 @@ def kv_cache_budget(setting: int | float | None) -> int:
     if isinstance(setting, float):
         return int(setting * available)
     return setting
-
-
-@dataclass(eq=False)
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    seqs: list[Sequence]
 
 
 class LLMEngine:
@@ -70,8 +65,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, self.dtype, device)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, EngineRequest] = {}
         self._seq_ids = itertools.count()
+        self._stats = IterationStats()
 
     def _resolve_max_model_len(self, pool_tokens: int) -> int:
         model_len = self.model_config.max_position_embeddings
@@ -89,10 +85,19 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        """Queue a request; ValueError when it cannot fit (the message names the numbers)."""
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already running")
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: bool = False
+    ) -> None:
+        """Validate and queue a request; ValueError when it cannot fit (the message names the numbers)."""
+        self.add(self.make_request(request_id, prompt, params, stream))
+
+    def make_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: bool = False
+    ) -> EngineRequest:
+        """Tokenize and validate a request without touching the queue, so it may run on another thread.
+
+        ``stream=True`` makes ``step`` report the request's new tokens every step it samples.
+        """
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer (dummy weights): pass prompt token ids")
@@ -139,8 +144,15 @@ class LLMEngine:
                 logprobs=[] if params.logprobs is not None else None,
             )
             seqs.append(seq)
+        return EngineRequest(request_id, prompt_text, token_ids, seqs, stream, arrival_time=time.monotonic())
+
+    def add(self, request: EngineRequest) -> None:
+        """Queue a request made by ``make_request``."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request_id {request.request_id!r} is already running")
+        self._requests[request.request_id] = request
+        for seq in request.seqs:
             self.scheduler.add(seq)
-        self._requests[request_id] = _Request(request_id, prompt_text, list(token_ids), seqs)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its blocks; unknown ids are ignored."""
@@ -149,8 +161,27 @@ class LLMEngine:
             return
         for seq in req.seqs:
             if not seq.is_finished:
-                seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
+                self._finish(seq, "abort")
+        self._record_finished(req, time.monotonic())
+
+    def abort_all(self) -> None:
+        """Abort every request in the engine."""
+        for request_id in list(self._requests):
+            self.abort(request_id)
+
+    def update_limits(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> dict:
+        """Change the batch limits from the next step on (the server's ``POST /config``).
+
+        Lowering ``max_num_seqs`` below the running count preempts nothing: the excess finish
+        and no new ones are admitted until the count is below the new limit.
+        """
+        changes = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
+        changes = {k: v for k, v in changes.items() if v is not None}
+        config = dataclasses.replace(self.config, **changes)  # validates
+        self.config = config
+        self.scheduler.max_num_seqs = config.max_num_seqs
+        self.scheduler.max_num_batched_tokens = config.max_num_batched_tokens
+        return {"max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens}
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -162,26 +193,84 @@ class LLMEngine:
     # -- stepping ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward step; returns the requests that finished during it."""
+        """Run one forward step. Returns the requests that finished in it and, for streaming
+        requests, what they gained (a delta ``RequestOutput`` whose ``finished`` says if it is the last)."""
         sched = self.scheduler.schedule()
+        self._stats.num_preemptions += len(sched.preempted)
         if not sched.scheduled:
             return []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            req = self._requests[s.seq.request_id]
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
         rows = [self._sampling_row(s.seq) for s in sched.scheduled if s.samples]
         result = self.runner.execute(sched, rows)
+        now = time.monotonic()
+        self._stats.num_batched_tokens += sched.num_batched_tokens
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
         sampled = [s.seq for s in sched.scheduled if s.samples]
-        touched: dict[str, _Request] = {}
+        touched: dict[str, EngineRequest] = {}
         for seq, token, lp, bad in zip(sampled, result.token_ids, result.logprobs, result.non_finite, strict=True):
+            req = self._requests[seq.request_id]
+            self._record_token(req, seq, now)
             self._append(seq, token, lp, bad)
-            if seq.is_finished:
-                touched[seq.request_id] = self._requests[seq.request_id]
-        finished = []
+            touched[req.request_id] = req
+        outputs = []
         for req in touched.values():
-            if all(seq.is_finished for seq in req.seqs):
+            finished = req.finished
+            if req.stream:
+                delta = req.delta_output()
+                if delta is not None:
+                    outputs.append(delta)
+            elif finished:
+                outputs.append(req.final_output())
+            if finished:
                 del self._requests[req.request_id]
-                finished.append(self._output(req))
-        return finished
+                self._record_finished(req, now)
+        return outputs
+
+    def _record_token(self, req: EngineRequest, seq: Sequence, now: float) -> None:
+        stats = self._stats
+        stats.num_generation_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+            stats.time_to_first_token.append(now - req.arrival_time)
+            stats.num_prompt_tokens += len(req.prompt_token_ids)
+        last = req.last_token_time.get(seq.seq_id)
+        if last is not None:
+            stats.inter_token_latency.append(now - last)
+        req.last_token_time[seq.seq_id] = now
+
+    def _record_finished(self, req: EngineRequest, now: float) -> None:
+        queued = (req.first_scheduled_time or req.arrival_time) - req.arrival_time
+        self._stats.finished.append(
+            FinishedRequestStats(
+                finish_reason=req.seqs[0].finish_reason or "abort",
+                e2e_latency=now - req.arrival_time,
+                queue_time=queued,
+                num_prompt_tokens=len(req.prompt_token_ids),
+                num_generation_tokens=sum(seq.num_output_tokens for seq in req.seqs),
+            )
+        )
+        self._stats.finished_reasons.extend(seq.finish_reason or "abort" for seq in req.seqs)
+
+    def take_iteration_stats(self) -> IterationStats:
+        """What happened since the last call (steps and aborts), for metrics."""
+        stats, self._stats = self._stats, IterationStats()
+        return stats
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """Queue lengths, KV-cache usage and prefix-cache counters now."""
+        bm = self.block_manager
+        return SchedulerStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=1.0 - bm.num_free_blocks / bm.num_blocks,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+        )
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         p = seq.params
@@ -228,18 +317,3 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
-
-    def _output(self, req: _Request) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=seq.index,
-                text=seq.detokenizer.text if seq.detokenizer else "",
-                token_ids=seq.output_token_ids,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                logprobs=seq.logprobs,
-                error=seq.error,
-            )
-            for seq in req.seqs
-        ]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, finished=True)

@@ -39,6 +39,10 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    # Streaming cursors: how much of the output has been reported as deltas.
+    num_streamed_tokens: int = 0
+    num_streamed_chars: int = 0
+    reported_finished: bool = False
 
     @property
     def num_tokens(self) -> int:

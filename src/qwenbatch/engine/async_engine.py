@@ -1,0 +1,258 @@
+"""AsyncEngine: the LLMEngine loop on one background thread, with asyncio streams for the server.
+
+The thread loads the model, then steps the engine while there is work and sleeps when there is
+none. Everything that touches the engine's queues (adding, aborting, changing limits) is handed
+to that thread as a command, so the engine itself needs no locks and the event loop never waits
+on the model. Outputs go back to the event loop once per step with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from qwenbatch.engine.llm_engine import LLMEngine
+from qwenbatch.engine.request import EngineRequest
+from qwenbatch.engine.stats import IterationStats, SchedulerStats
+from qwenbatch.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+StatsCallback = Callable[[IterationStats, SchedulerStats], None]
+
+
+class EngineState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+
+class EngineNotReadyError(RuntimeError):
+    """The engine is still loading, has died or has stopped; the message says which."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the client should retry later."""
+
+
+class _Aborted:
+    """Put into a request's stream when it is aborted, so its reader stops waiting."""
+
+
+_ABORTED = _Aborted()
+
+
+class AsyncEngine:
+    """Runs ``LLMEngine`` on a thread and serves its outputs to asyncio callers."""
+
+    def __init__(
+        self,
+        engine_factory: Callable[[], LLMEngine],
+        max_waiting_seqs: int,
+        on_stats: StatsCallback | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self._engine_factory = engine_factory
+        self.max_waiting_seqs = max_waiting_seqs
+        self._on_stats = on_stats
+        self._on_fatal = on_fatal
+        self.engine: LLMEngine | None = None
+        self.state = EngineState.LOADING
+        self.error: BaseException | None = None
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._num_waiting = 0  # sequences waiting in the engine after the last step
+        self._num_submitted = 0  # sequences handed to the thread but not yet queued in the engine
+        self._count_lock = threading.Lock()
+
+    # -- life cycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will read the outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="qwenbatch-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort what is left, stop the thread and wait for it."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self.state is not EngineState.DEAD:
+            self.state = EngineState.STOPPED
+
+    @property
+    def is_healthy(self) -> bool:
+        """True while the engine is loaded and its thread runs."""
+        return self.state is EngineState.READY and self._thread is not None and self._thread.is_alive()
+
+    def ready_engine(self) -> LLMEngine:
+        """The loaded engine, or EngineNotReadyError saying why there is none."""
+        if not self.is_healthy or self.engine is None:
+            if self.state is EngineState.LOADING:
+                raise EngineNotReadyError("the model is still loading")
+            raise EngineNotReadyError(f"the engine is not running ({self.state.value}: {self.error})")
+        return self.engine
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def check_capacity(self) -> None:
+        """QueueFullError when the waiting queue is at its bound (checked before making requests)."""
+        self.ready_engine()
+        if self._num_waiting + self._num_submitted >= self.max_waiting_seqs:
+            raise QueueFullError(
+                f"{self._num_waiting + self._num_submitted} sequences are waiting (the bound is "
+                f"{self.max_waiting_seqs}); retry later"
+            )
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Queue ``request`` and yield its outputs: deltas if it streams, else one final output.
+
+        Stopping iteration early (the client went away) aborts the request and frees its blocks.
+        Ends without a finished output if the request is aborted by ``abort``.
+        """
+        self.ready_engine()
+        request_id = request.request_id
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        with self._count_lock:
+            self._num_submitted += len(request.seqs)
+        self._submit(lambda: self._add(request))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if item is _ABORTED:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(lambda: self.engine.abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from the event loop: its stream ends and its blocks are freed."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put_nowait(_ABORTED)
+        self._submit(lambda: self.engine.abort(request_id))
+
+    async def update_limits(self, **limits: int) -> dict[str, int]:
+        """Change ``max_num_seqs`` / ``max_num_batched_tokens`` from the next step on."""
+        engine = self.ready_engine()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def apply() -> None:
+            try:
+                done.set_result(engine.update_limits(**limits))
+            except Exception as e:  # handed back to the caller, e.g. a ValueError for a bad value
+                done.set_exception(e)
+
+        self._submit(apply)
+        return await asyncio.wrap_future(done)
+
+    # -- the engine thread ------------------------------------------------------------------------
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _add(self, request: EngineRequest) -> None:
+        with self._count_lock:
+            self._num_submitted -= len(request.seqs)
+        if request.request_id not in self._streams:
+            return  # aborted before it reached the engine
+        try:
+            self.engine.add(request)
+        except ValueError as e:
+            self._deliver([(request.request_id, e)])
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._engine_factory()
+        except BaseException as e:
+            self._die(e, "the engine failed to load")
+            return
+        self.state = EngineState.READY
+        logger.info("engine ready")
+        try:
+            self._loop_forever()
+        except BaseException as e:
+            self._die(e, "the engine loop died")
+
+    def _loop_forever(self) -> None:
+        engine = self.engine
+        idle_stats_pending = False
+        while not self._stopping:
+            self._run_commands()
+            if not engine.has_unfinished():
+                if idle_stats_pending:
+                    self._publish_stats()
+                    idle_stats_pending = False
+                self._wakeup.wait(timeout=1.0)
+                self._wakeup.clear()
+                continue
+            outputs = engine.step()
+            if outputs:
+                self._deliver([(out.request_id, out) for out in outputs])
+            self._publish_stats()
+            idle_stats_pending = True
+        engine.abort_all()
+        self._publish_stats()
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _publish_stats(self) -> None:
+        scheduler_stats = self.engine.scheduler_stats()
+        self._num_waiting = scheduler_stats.num_waiting
+        iteration = self.engine.take_iteration_stats()
+        if self._on_stats is not None:
+            self._on_stats(iteration, scheduler_stats)
+
+    def _deliver(self, items: list[tuple[str, Any]]) -> None:
+        self._loop.call_soon_threadsafe(self._dispatch, items)
+
+    def _dispatch(self, items: list[tuple[str, Any]]) -> None:
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put_nowait(item)
+
+    def _die(self, error: BaseException, what: str) -> None:
+        logger.error("%s: %s", what, error, exc_info=error)
+        self.error = error
+        self.state = EngineState.DEAD
+        failure = EngineNotReadyError(f"{what}: {error}")
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_all, failure)
+        if self._on_fatal is not None:
+            self._on_fatal(error)
+
+    def _fail_all(self, failure: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(failure)

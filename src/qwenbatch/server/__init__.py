@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (needs the ``server`` extra)."""

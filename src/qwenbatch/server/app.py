@@ -1,0 +1,159 @@
+"""The FastAPI app: lifespan (engine thread), error handlers, auth and limits, and the small routes."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from qwenbatch.config import EngineConfig
+from qwenbatch.engine.async_engine import AsyncEngine, EngineNotReadyError, EngineState
+from qwenbatch.engine.llm_engine import LLMEngine
+from qwenbatch.server import chat, completion
+from qwenbatch.server.common import APIError, ClientDisconnected, OrjsonResponse, ServerContext, unavailable
+from qwenbatch.server.guard import GuardMiddleware
+from qwenbatch.server.metrics import ServerMetrics
+from qwenbatch.server.protocol import ConfigUpdate
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerSettings:
+    """Server-side settings (the engine's are in EngineConfig)."""
+
+    served_model_names: list[str] = field(default_factory=list)  # default: the --model value
+    api_key: str | None = None  # required on every route but /health when set
+    admin_api_key: str | None = None  # for POST /config; default: the api_key
+    max_waiting_seqs: int = 4096  # more waiting than this and new requests get 503 + Retry-After
+    max_body_bytes: int = 32 * 2**20
+    on_fatal: Callable[[BaseException], None] | None = None  # called if the engine cannot load or dies
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_seqs < 1:
+            raise ValueError(f"max_waiting_seqs must be >= 1, got {self.max_waiting_seqs}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+
+
+def build_app(
+    settings: ServerSettings, engine_config: EngineConfig, engine_factory: Callable[[], LLMEngine] | None = None
+) -> FastAPI:
+    """The app; the engine loads on a background thread once the server runs (``/health`` says when)."""
+    names = settings.served_model_names or [engine_config.model]
+    metrics = ServerMetrics(names[0])
+    factory = engine_factory or (lambda: LLMEngine(engine_config))
+    engine = AsyncEngine(factory, settings.max_waiting_seqs, on_stats=metrics.record, on_fatal=settings.on_fatal)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="qwenbatch", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ctx = ServerContext(engine, names)
+    app.state.metrics = metrics
+    # With an api_key every route but /health needs a key; the admin key is accepted there too.
+    keys = tuple(k for k in (settings.api_key, settings.admin_api_key) if k) if settings.api_key else ()
+    app.add_middleware(GuardMiddleware, api_keys=keys, max_body_bytes=settings.max_body_bytes)
+    _add_error_handlers(app)
+    app.include_router(chat.router)
+    app.include_router(completion.router)
+    _add_routes(app, settings, names, metrics)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError):
+        return OrjsonResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {first['msg']}" if param else first["msg"]
+        return OrjsonResponse(APIError(400, message, param=param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        body = APIError(e.status_code, str(e.detail), kind).body()
+        return OrjsonResponse(body, status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(ClientDisconnected)
+    async def disconnected(_: Request, e: ClientDisconnected):
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+
+def _add_routes(app: FastAPI, settings: ServerSettings, names: list[str], metrics: ServerMetrics) -> None:
+    ctx: ServerContext = app.state.ctx
+    admin_key = settings.admin_api_key or settings.api_key
+    created = int(time.time())
+
+    @app.get("/health")
+    async def health():
+        state = ctx.engine.state
+        if ctx.engine.is_healthy:
+            return OrjsonResponse({"status": "healthy"})
+        body = {"status": state.value}
+        if state is EngineState.DEAD:
+            body["error"] = str(ctx.engine.error)
+        return OrjsonResponse(body, status_code=503, headers={"Retry-After": "1"})
+
+    @app.get("/v1/models")
+    async def models():
+        max_len = ctx.engine.engine.max_model_len if ctx.engine.engine is not None else None
+        data = [
+            {"id": name, "object": "model", "created": created, "owned_by": "qwenbatch", "max_model_len": max_len}
+            for name in names
+        ]
+        return OrjsonResponse({"object": "list", "data": data})
+
+    @app.get("/config")
+    async def get_config():
+        return OrjsonResponse(_effective_config(ctx))
+
+    @app.post("/config")
+    async def post_config(update: ConfigUpdate, request: Request):
+        if admin_key and request.headers.get("authorization", "").partition(" ")[2].strip() != admin_key:
+            raise APIError(403, "changing the config needs the admin API key", "permission_error")
+        try:
+            await ctx.engine.update_limits(**update.model_dump(exclude_none=True))
+        except EngineNotReadyError as e:
+            raise unavailable(str(e)) from e
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        return OrjsonResponse(_effective_config(ctx))
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _effective_config(ctx: ServerContext) -> dict:
+    engine = ctx.engine.engine
+    if engine is None or ctx.engine.state is EngineState.LOADING:
+        raise unavailable("the model is still loading")
+    bm = engine.block_manager
+    config = dataclasses.asdict(engine.config)
+    config.update(
+        served_model_names=ctx.served_model_names,
+        dtype=str(engine.dtype).removeprefix("torch."),
+        max_model_len=engine.max_model_len,
+        num_kv_blocks=bm.num_blocks,
+        num_kv_tokens=bm.num_blocks * bm.block_size,
+        max_waiting_seqs=ctx.engine.max_waiting_seqs,
+    )
+    return config

@@ -1,0 +1,228 @@
+"""What the endpoint modules share: OpenAI-style errors, request -> engine conversion, disconnects, SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import orjson
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from qwenbatch.engine.async_engine import AsyncEngine, EngineNotReadyError, QueueFullError
+from qwenbatch.engine.llm_engine import LLMEngine
+from qwenbatch.engine.request import EngineRequest
+from qwenbatch.outputs import RequestOutput
+from qwenbatch.sampling_params import SamplingParams
+from qwenbatch.server.protocol import Usage, _SamplingFields
+
+
+class APIError(Exception):
+    """An error the client caused or must wait out; rendered as ``{"error": {...}}`` with ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class OrjsonResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content) -> bytes:
+        return orjson.dumps(content)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, "service_unavailable", code="unavailable", headers={"Retry-After": "1"})
+
+
+@dataclass
+class ServerContext:
+    """What every endpoint needs: the engine and the names it answers to."""
+
+    engine: AsyncEngine
+    served_model_names: list[str]
+
+    def admit(self, model: str | None) -> LLMEngine:
+        """The engine for a request naming ``model``: 404 if unknown, 503 if loading or full."""
+        if model is not None and model not in self.served_model_names:
+            raise APIError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+        try:
+            self.engine.check_capacity()
+            return self.engine.ready_engine()
+        except (EngineNotReadyError, QueueFullError) as e:
+            raise unavailable(str(e)) from e
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+_PARAM_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+) ")
+
+
+def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The request's sampling fields as SamplingParams; 400 naming the field when one is invalid."""
+    values = dict(
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=req.seed,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+    try:
+        return SamplingParams(**values)
+    except ValueError as e:
+        message = str(e)
+        match = _PARAM_IN_MESSAGE.search(message)
+        raise APIError(400, message.replace("SamplingParams.", ""), param=match and match.group(1)) from e
+
+
+def make_request(
+    engine: LLMEngine,
+    request_id: str,
+    prompt: str | list[int],
+    params: SamplingParams,
+    stream: bool,
+    truncate_prompt_tokens: int | None,
+    param: str,
+) -> EngineRequest:
+    """Tokenize (keeping the last ``truncate_prompt_tokens``) and validate; 400 naming ``param``."""
+    try:
+        if truncate_prompt_tokens is not None:
+            if isinstance(prompt, str):
+                if engine.tokenizer is None:
+                    raise ValueError("this model has no tokenizer (dummy weights): pass prompt token ids")
+                prompt = engine.tokenizer.encode(prompt)
+            prompt = prompt[-truncate_prompt_tokens:]
+        return engine.make_request(request_id, prompt, params, stream=stream)
+    except ValueError as e:
+        raise APIError(400, str(e), param=param) from e
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return when the client has gone away (the body was read already, so only disconnect is left)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def abort_on_disconnect(request: Request, engine: AsyncEngine, request_ids: list[str]) -> asyncio.Future:
+    """Abort ``request_ids`` as soon as the client disconnects (cancel the returned watcher when done)."""
+
+    def on_done(watcher: asyncio.Future) -> None:
+        if not watcher.cancelled():
+            for request_id in request_ids:
+                engine.abort(request_id)
+
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    watcher.add_done_callback(on_done)
+    return watcher
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready; its requests were aborted."""
+
+
+async def collect(streams: list[AsyncIterator[RequestOutput]], request: Request) -> list[RequestOutput]:
+    """The final output of each engine stream; aborts them all if the client disconnects first."""
+
+    async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+        final = None
+        async for output in stream:
+            final = output
+        return final
+
+    tasks = [asyncio.ensure_future(last(s)) for s in streams]
+    gathered = asyncio.gather(*tasks)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if gathered not in done:
+            raise ClientDisconnected()
+        outputs = gathered.result()
+    finally:
+        watcher.cancel()
+        for task in tasks:
+            task.cancel()  # a no-op for finished ones; closes (and so aborts) the others
+    if any(o is None or not o.finished for o in outputs):
+        raise unavailable("the request was aborted (the server is shutting down)")
+    return outputs
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several engine streams as outputs arrive: ``(stream index, output)``."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                await queue.put((i, output))
+        except Exception as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def sse(payload: BaseModel | dict) -> bytes:
+    """One server-sent event carrying JSON."""
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump(exclude_none=True)
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

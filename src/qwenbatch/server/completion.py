@@ -1,0 +1,142 @@
+"""POST /v1/completions: one prompt or a list of them (batched together), echo, logprobs, streaming."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from qwenbatch.engine.async_engine import EngineNotReadyError
+from qwenbatch.engine.llm_engine import LLMEngine
+from qwenbatch.engine.request import EngineRequest
+from qwenbatch.outputs import CompletionOutput
+from qwenbatch.server.common import (
+    SSE_DONE,
+    APIError,
+    OrjsonResponse,
+    ServerContext,
+    abort_on_disconnect,
+    collect,
+    make_request,
+    merge,
+    sampling_params,
+    sse,
+    usage,
+)
+from qwenbatch.server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
+
+router = APIRouter()
+
+
+def prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The request's prompt field as a list of prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, raw: Request):
+    ctx: ServerContext = raw.app.state.ctx
+    engine = ctx.admit(body.model)
+    params = sampling_params(body, body.max_tokens, body.logprobs)
+    base_id = f"cmpl-{uuid.uuid4().hex}"
+    prompts = prompt_list(body.prompt)
+    requests = [
+        make_request(engine, f"{base_id}-{i}", p, params, body.stream, body.truncate_prompt_tokens, "prompt")
+        for i, p in enumerate(prompts)
+    ]
+    view = _CompletionView(base_id, ctx.model_name, engine, body.n, body.echo, body.logprobs)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream(ctx, raw, requests, view, include_usage), media_type="text/event-stream")
+    outputs = await collect([ctx.engine.generate(r) for r in requests], raw)
+    choices = [
+        view.choice(i, r, c) for i, (r, out) in enumerate(zip(requests, outputs, strict=True)) for c in out.outputs
+    ]
+    totals = usage(sum(o.num_prompt_tokens for o in outputs), sum(o.num_output_tokens for o in outputs))
+    response = Completion(id=base_id, created=view.created, model=view.model, choices=choices, usage=totals)
+    return OrjsonResponse(response.model_dump(exclude_none=True))
+
+
+class _CompletionView:
+    """Turns engine outputs into completion choices; choice index = prompt index * n + sample index."""
+
+    def __init__(
+        self, request_id: str, model: str, engine: LLMEngine, n: int, echo: bool, logprobs: int | None
+    ) -> None:
+        self.request_id, self.model, self.engine = request_id, model, engine
+        self.n, self.echo, self.top_logprobs = n, echo, logprobs
+        self.created = int(time.time())
+        self.offsets: dict[int, int] = {}  # per choice: characters sent so far (for text_offset)
+
+    def prompt_text(self, request: EngineRequest) -> str:
+        if request.prompt is not None:
+            return request.prompt
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode(request.prompt_token_ids, skip_special_tokens=False) if tokenizer else ""
+
+    def choice(self, prompt_index: int, request: EngineRequest, c: CompletionOutput, first: bool = True):
+        index = prompt_index * self.n + c.index
+        text = self.prompt_text(request) + c.text if self.echo and first else c.text
+        start = self.offsets.get(index, len(text) - len(c.text))
+        self.offsets[index] = start + len(c.text)
+        return CompletionChoice(
+            index=index,
+            text=text,
+            finish_reason=c.finish_reason,
+            logprobs=self.logprobs(c, start),
+            stop_reason=c.stop_reason,
+        )
+
+    def logprobs(self, c: CompletionOutput, offset: int) -> CompletionLogprobs | None:
+        if self.top_logprobs is None or c.logprobs is None:
+            return None
+        tokenizer = self.engine.tokenizer
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for token_id, candidates in zip(c.token_ids, c.logprobs, strict=True):
+            text = tokenizer.token_text(token_id) if tokenizer else str(token_id)
+            top = sorted(candidates.items(), key=lambda kv: -kv[1])[: self.top_logprobs]
+            out.tokens.append(text)
+            out.token_logprobs.append(candidates[token_id])
+            out.top_logprobs.append(
+                {(tokenizer.token_text(t) if tokenizer else str(t)): lp for t, lp in top} if top else None
+            )
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def chunk(self, choices: list[CompletionChoice], totals=None) -> Completion:
+        return Completion(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=totals)
+
+
+async def _stream(
+    ctx: ServerContext, raw: Request, requests: list[EngineRequest], view: _CompletionView, include_usage: bool
+) -> AsyncIterator[bytes]:
+    watcher = abort_on_disconnect(raw, ctx.engine, [r.request_id for r in requests])
+    started: set[int] = set()
+    num_output = 0
+    try:
+        async for i, output in merge([ctx.engine.generate(r) for r in requests]):
+            choices = []
+            for c in output.outputs:
+                index = i * view.n + c.index
+                choices.append(view.choice(i, requests[i], c, first=index not in started))
+                started.add(index)
+                num_output += len(c.token_ids)
+            yield sse(view.chunk(choices))
+        if include_usage:
+            num_prompt = sum(len(r.prompt_token_ids) for r in requests)
+            yield sse(view.chunk([], usage(num_prompt, num_output)))
+    except EngineNotReadyError as e:
+        yield sse(APIError(503, str(e), "service_unavailable", code="unavailable").body())
+    finally:
+        watcher.cancel()
+    yield SSE_DONE

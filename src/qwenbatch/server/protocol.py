@@ -1,0 +1,202 @@
+"""Request and response schemas of the OpenAI-compatible API (pydantic).
+
+Requests ignore fields they do not know (clients send things such as ``use_beam_search``);
+known fields with invalid values are rejected, naming the field. Extra fields that vLLM users
+send (top_k, min_p, repetition_penalty, ...) are accepted with vLLM's meanings.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class TextPart(_Request):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class _SamplingFields(_Request):
+    """Fields chat and completions share; ``to_sampling_params`` lives in server/sampling.py."""
+
+    model: str | None = None
+    n: PositiveInt = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: NonNegativeInt = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[NonNegativeInt] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Keep only the last N prompt tokens, so one overlong row in a large job need not fail.
+    truncate_prompt_tokens: PositiveInt | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Qwen clients send these at the top level (through the SDK's extra_body).
+    enable_thinking: bool | None = None
+    return_reasoning: bool | None = None
+    add_generation_prompt: bool = True
+
+    def thinking(self) -> bool | None:
+        """Qwen3's enable_thinking switch: the top-level field wins over chat_template_kwargs."""
+        if self.enable_thinking is not None:
+            return self.enable_thinking
+        value = (self.chat_template_kwargs or {}).get("enable_thinking")
+        return None if value is None else bool(value)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: PositiveInt | None = 16
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+
+class ConfigUpdate(_Request):
+    """``POST /config``: the limits that can change while the server runs."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_num_seqs: PositiveInt | None = None
+    max_num_batched_tokens: PositiveInt | None = None
+
+
+# -- responses --------------------------------------------------------------------------------------
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Response):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: ChoiceLogprobs | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletion(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(_Response):
+    """The legacy completions format: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+    stop_reason: str | int | None = None
+
+
+class Completion(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
