@@ -24,6 +24,22 @@ CHAT_INSTRUCTIONS = [
     "Explain what a race condition is and one way to prevent it in Python.",
     "用Go语言写一个并发安全的计数器。",
     "What is the difference between `==` and `is` in Python?",
+    "请写一个Python装饰器，记录函数每次调用所花的时间。",
+    "Explain what Big-O notation means, with two examples.",
+    "用C语言写一个函数，反转一个单向链表。",
+    "How would you remove duplicate rows from a pandas DataFrame?",
+    "请解释HTTP和HTTPS的区别。",
+    "Write a regular expression that matches an IPv4 address and explain it.",
+    "什么是闭包？请用Python举例说明。",
+    "Describe the steps of a git rebase and when it is better than a merge.",
+    "用Rust写一个函数，返回向量中的最大值。",
+    "What is a Docker container and how is it different from a virtual machine?",
+    "请解释数据库事务的ACID特性。",
+    "Write a Python class for a stack with push, pop and peek methods.",
+    "什么是梯度下降？请用两句话解释。",
+    "How do you handle exceptions in JavaScript promises?",
+    "请写一个Shell脚本，备份一个目录到带日期的压缩包。",
+    "Explain the difference between TCP and UDP in three sentences.",
 ]
 
 

@@ -162,3 +162,83 @@ def test_kv_cache_memory_as_a_fraction_of_available_memory(folder, monkeypatch):
     assert llm_engine.kv_cache_budget(5000) == 5000
     with pytest.raises(ValueError, match="fraction in"):
         LLM(model=folder, kv_cache_memory=1.5)
+
+
+# -- streaming deltas and stats -------------------------------------------------------------------
+
+
+def run_streaming(engine, request_id: str, prompt, params: SamplingParams):
+    """Step until ``request_id`` finishes; returns its deltas."""
+    engine.add_request(request_id, prompt, params, stream=True)
+    deltas = []
+    while engine.has_unfinished():
+        deltas.extend(o for o in engine.step() if o.request_id == request_id)
+    return deltas
+
+
+def test_streamed_deltas_add_up_to_the_final_output(tiny_qwen3):
+    llm = LLM(model=str(tiny_qwen3), dtype="float32", kv_cache_memory=32 * 2**20)
+    prompt = "The quick brown fox"
+    full = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    # A stop string taken from the middle of the text: streaming must never show text it then cuts.
+    stop = full.text[len(full.text) // 2 :][:3]
+    cases = [(GREEDY, full.text, full.token_ids)]
+    stopped = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    cut = llm.generate([prompt], stopped, use_tqdm=False)[0].outputs[0]
+    cases.append((stopped, cut.text, cut.token_ids))
+    for i, (params, text, token_ids) in enumerate(cases):
+        deltas = run_streaming(llm.engine, f"s{i}", prompt, params)
+        assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+        pieces = [d.outputs[0] for d in deltas]
+        assert "".join(p.text for p in pieces) == text
+        assert [t for p in pieces for t in p.token_ids] == token_ids
+        assert sum(len(p.text) for p in pieces[:-1]) <= len(text)
+        assert pieces[-1].finish_reason == ("length" if params is GREEDY else "stop")
+        assert all(p.finish_reason is None for p in pieces[:-1])
+    assert_all_blocks_free(llm)
+
+
+def test_streaming_with_n_reports_each_sequence_once_finished(tiny_qwen3):
+    llm = LLM(model=str(tiny_qwen3), dtype="float32", kv_cache_memory=32 * 2**20)
+    params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
+    deltas = run_streaming(llm.engine, "n3", "hello", params)
+    final = llm.generate(["hello"], params, use_tqdm=False)[0]
+    for index in range(3):
+        mine = [c for d in deltas for c in d.outputs if c.index == index]
+        assert [t for c in mine for t in c.token_ids] == final.outputs[index].token_ids
+        assert [c.finish_reason for c in mine].count("length") == 1
+
+
+def test_iteration_stats_count_tokens_and_finished_requests(tiny_qwen3):
+    llm = LLM(model=str(tiny_qwen3), dtype="float32", kv_cache_memory=32 * 2**20)
+    engine = llm.engine
+    prompts = mixed_prompts(3)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    stats = engine.take_iteration_stats()
+    assert stats.num_generation_tokens == 15
+    assert stats.num_prompt_tokens == sum(len(p) for p in prompts)
+    assert stats.num_batched_tokens == sum(len(p) for p in prompts) + 3 * 4
+    assert len(stats.time_to_first_token) == 3
+    assert len(stats.inter_token_latency) == 12
+    assert [f.finish_reason for f in stats.finished] == ["length"] * 3
+    assert sorted(f.num_prompt_tokens for f in stats.finished) == sorted(len(p) for p in prompts)
+    assert engine.take_iteration_stats().num_generation_tokens == 0  # taken means reset
+    engine.add_request("gone", prompts[0], GREEDY)
+    engine.abort("gone")
+    assert engine.take_iteration_stats().finished_reasons == ["abort"]
+    sched = engine.scheduler_stats()
+    assert (sched.num_running, sched.num_waiting, sched.kv_cache_usage) == (0, 0, 0.0)
+
+
+def test_update_limits_validates_and_applies(tiny_qwen3):
+    llm = LLM(model=str(tiny_qwen3), dtype="float32", kv_cache_memory=32 * 2**20)
+    engine = llm.engine
+    assert engine.update_limits(max_num_seqs=2) == {"max_num_seqs": 2, "max_num_batched_tokens": 2048}
+    engine.add_request("a", mixed_prompts(1)[0], GREEDY)
+    for i in range(3):
+        engine.add_request(f"b{i}", mixed_prompts(3)[i], GREEDY)
+    engine.step()
+    assert len(engine.scheduler.running) == 2
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        engine.update_limits(max_num_batched_tokens=0)
+    assert engine.config.max_num_batched_tokens == 2048

@@ -6,9 +6,11 @@ import json
 import shutil
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qwenbatch import LLM, SamplingParams
-from qwenbatch.tokenizer import IncrementalDetokenizer, Tokenizer, split_reasoning
+from qwenbatch.tokenizer import IncrementalDetokenizer, ReasoningStream, Tokenizer, split_reasoning
 
 CHINESE = "用一句话介绍Python编程语言。Python是一种高级编程语言。"
 
@@ -193,3 +195,41 @@ def test_chat_without_a_template_is_a_clear_error(tiny_qwen3, tmp_path):
     cfg.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="chat template"):
         Tokenizer(folder).apply_chat_template(MESSAGES)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.sampled_from(
+        [
+            "<think>a</think>b",
+            "<think>\nLet me think.\n</think>\n\nThe answer is 4.",
+            "<think>\nstill thinking",
+            "plain text, no thought",
+            "  <thi",
+            "<think>x </think>\n\n\nans  wer",
+            "<think></think>ok",
+            "<think>\n\n</think>\n\nhi </thi",
+            "",
+        ]
+    ),
+    cuts=st.lists(st.integers(1, 5), max_size=40),
+)
+def test_streamed_reasoning_split_equals_the_whole_text_split(text, cuts):
+    stream = ReasoningStream()
+    reasoning = answer = ""
+    pos = 0
+    for step in [*cuts, len(text)]:
+        r, a = stream.feed(text[pos : pos + step])
+        reasoning, answer, pos = reasoning + r, answer + a, pos + step
+    r, a = stream.finish()
+    expected_reasoning, expected_answer = split_reasoning(text)
+    assert (reasoning + r, answer + a) == (expected_reasoning or "", expected_answer)
+
+
+def test_streamed_reasoning_when_the_template_opened_the_thought():
+    stream = ReasoningStream(opened=True)
+    pieces = [stream.feed(p) for p in ["\nI think", " so.\n</thi", "nk>\n\nYes", "."]] + [stream.finish()]
+    assert "".join(r for r, _ in pieces) == "I think so."
+    assert "".join(a for _, a in pieces) == "Yes."
+    assert split_reasoning("\nI think so.\n</think>\n\nYes.", opened=True) == ("I think so.", "Yes.")
+    assert split_reasoning("unfinished", opened=True) == ("unfinished", "")

@@ -1,0 +1,1 @@
+"""Batch jobs: OpenAI Batch files in, results out, resumable."""
