@@ -4,7 +4,7 @@ Starts `qwenbatch serve` on a free port, sends the same greedy chat requests (st
 sequentially, then all at once, for several rounds, and reports the ratio of wall times
 (sequential / concurrent, median over rounds) and time to first token p50/p99 while all run.
 
-    .venv/bin/python benchmarks/serve_concurrency.py --dtype float32 --output benchmarks/results/serve-concurrency-float32.json
+    .venv/bin/python benchmarks/serve_concurrency.py --output benchmarks/results/serve-concurrency-float32.json
 """
 
 from __future__ import annotations
@@ -22,11 +22,9 @@ import time
 from pathlib import Path
 
 import httpx
+from common import CHAT_INSTRUCTIONS  # benchmarks/ is on sys.path when this script runs
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import CHAT_INSTRUCTIONS  # noqa: E402
-
-from qwenbatch.bench.serving import run_chat_batch, summarize  # noqa: E402
+from qwenbatch.bench.serving import run_chat_batch, summarize
 
 
 def free_port() -> int:
