@@ -140,18 +140,20 @@ def test_engine_stops_on_a_stop_string(llm):
 
 
 @pytest.mark.parametrize(
-    ("text", "reasoning", "answer"),
+    ("text", "opened", "reasoning", "answer"),
     [
-        ("<think>a</think>b", "a", "b"),
-        ("<think>\nLet me think.\n</think>\n\nThe answer is 4.", "Let me think.", "The answer is 4."),
-        ("the template opened it\n</think>\n\nanswer", "the template opened it", "answer"),
-        ("<think>\nstill thinking", "still thinking", ""),
-        ("plain text, no thought", None, "plain text, no thought"),
-        ("", None, ""),
+        ("<think>a</think>b", False, "a", "b"),
+        ("<think>\nLet me think.\n</think>\n\nThe answer is 4.", False, "Let me think.", "The answer is 4."),
+        ("the template opened it\n</think>\n\nanswer", True, "the template opened it", "answer"),
+        ("no thought was opened</think>answer", False, None, "no thought was opened</think>answer"),
+        ("<think>\nstill thinking", False, "still thinking", ""),
+        ("plain text, no thought", False, None, "plain text, no thought"),
+        ("\n\nleading newlines stay", False, None, "\n\nleading newlines stay"),
+        ("", False, None, ""),
     ],
 )
-def test_split_reasoning(text, reasoning, answer):
-    assert split_reasoning(text) == (reasoning, answer)
+def test_split_reasoning(text, opened, reasoning, answer):
+    assert split_reasoning(text, opened) == (reasoning, answer)
 
 
 # -- chat template --------------------------------------------------------------------------------
@@ -209,6 +211,9 @@ def test_chat_without_a_template_is_a_clear_error(tiny_qwen3, tmp_path):
             "<think>x </think>\n\n\nans  wer",
             "<think></think>ok",
             "<think>\n\n</think>\n\nhi </thi",
+            "plan</think>\n\nanswer",
+            "\n\nhi",
+            " ",
             "",
         ]
     ),

@@ -13,7 +13,7 @@ from qwenbatch.config import EngineConfig
 from qwenbatch.engine.llm_engine import LLMEngine
 from qwenbatch.outputs import RequestOutput
 from qwenbatch.sampling_params import SamplingParams
-from qwenbatch.tokenizer import split_reasoning
+from qwenbatch.tokenizer import THINK_END, THINK_START, split_reasoning
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,10 @@ class LLM:
             conversations = [conversations]
         prompts = [self.tokenizer.apply_chat_template(c, enable_thinking=enable_thinking) for c in conversations]
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-        for output in outputs:
+        if not self.tokenizer.has_token(THINK_END):
+            return outputs  # not a thinking model (Qwen2.5): the text is all answer
+        for prompt, output in zip(prompts, outputs, strict=True):
+            opened = prompt.rstrip().endswith(THINK_START)  # the template began the thought
             for completion in output.outputs:
-                completion.reasoning_content, completion.text = split_reasoning(completion.text)
+                completion.reasoning_content, completion.text = split_reasoning(completion.text, opened)
         return outputs

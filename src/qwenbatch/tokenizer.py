@@ -105,16 +105,20 @@ def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
     """Split a thinking model's output into (reasoning, answer).
 
     Handles both Qwen3 styles: the model writes ``<think>`` itself, or the template already
-    opened it (``opened``) and only ``</think>`` appears. An unfinished thought is all reasoning.
+    opened it (``opened``: the prompt ends with ``<think>``) and only ``</think>`` appears. An
+    unfinished thought is all reasoning; text that starts no thought is all answer.
     """
-    if THINK_END in text:
-        reasoning, answer = text.split(THINK_END, 1)
-        return reasoning.replace(THINK_START, "", 1).strip(), answer.lstrip("\n")
-    if text.lstrip().startswith(THINK_START):
-        return text.lstrip()[len(THINK_START) :].strip(), ""
-    if opened:
-        return text.strip(), ""
-    return None, text
+    head = text.lstrip()
+    if head.startswith(THINK_START):
+        body = head[len(THINK_START) :]
+    elif opened:
+        body = text
+    else:
+        return None, text
+    if THINK_END in body:
+        reasoning, answer = body.split(THINK_END, 1)
+        return reasoning.strip(), answer.lstrip("\n")
+    return body.strip(), ""
 
 
 class ReasoningStream:
@@ -129,6 +133,7 @@ class ReasoningStream:
         self.pending = ""
         self.reasoning_started = False
         self.answer_started = False
+        self.thought = False  # a </think> was seen
 
     def feed(self, text: str) -> tuple[str, str]:
         self.pending += text
@@ -149,15 +154,16 @@ class ReasoningStream:
             if at != -1:
                 reasoning = self.pending[:at].rstrip()
                 self.pending, self.state = self.pending[at + len(THINK_END) :], "answer"
+                self.thought = True
             else:
                 keep = _partial_suffix(self.pending, THINK_END)
                 body = self.pending[: len(self.pending) - keep]
                 cut = len(body.rstrip())  # trailing whitespace waits: it is stripped if </think> follows
                 reasoning, self.pending = body[:cut], self.pending[cut:]
                 return reasoning, ""
-        if not self.answer_started:
-            self.pending = self.pending.lstrip("\n")
-            self.answer_started = bool(self.pending)
+        if not self.answer_started and self.thought:
+            self.pending = self.pending.lstrip("\n")  # the blank line after </think>
+        self.answer_started = self.answer_started or bool(self.pending)
         answer, self.pending = self.pending, ""
         return reasoning, answer
 
@@ -166,7 +172,7 @@ class ReasoningStream:
         rest, self.pending = self.pending, ""
         if self.state == "reasoning":
             return rest.rstrip(), ""
-        return "", rest if self.state == "answer" or rest.strip() else ""
+        return "", rest
 
 
 def _partial_suffix(text: str, marker: str) -> int:
