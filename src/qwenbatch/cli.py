@@ -231,7 +231,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise ValueError(f"the server needs the server extra: pip install 'qwenbatch[server]' ({e})") from e
 
+    from qwenbatch.loader import check_model_source
+
     config = engine_config_from_args(args)
+    check_model_source(config.model, config.load_format)  # a bad --model fails here, not after listening
     names = args.served_model_name or ([config.model, DEFAULT_MODEL_NAME] if config.model == "default" else None)
     failures: list[BaseException] = []
 

@@ -92,6 +92,8 @@ class AsyncEngine:
             self._thread.join(timeout)
         if self.state is not EngineState.DEAD:
             self.state = EngineState.STOPPED
+        for stream in self._streams.values():  # their requests were aborted with the engine
+            stream.put_nowait(_ABORTED)
 
     @property
     def is_healthy(self) -> bool:
@@ -244,7 +246,9 @@ class AsyncEngine:
                 stream.put_nowait(item)
 
     def _die(self, error: BaseException, what: str) -> None:
-        logger.error("%s: %s", what, error, exc_info=error)
+        # A bad --model or a missing file is a one-line error; anything else keeps its traceback.
+        expected = isinstance(error, ValueError | OSError)
+        logger.error("%s: %s", what, error, exc_info=None if expected else error)
         self.error = error
         self.state = EngineState.DEAD
         failure = EngineNotReadyError(f"{what}: {error}")

@@ -101,6 +101,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer (dummy weights): pass prompt token ids")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"the prompt is not valid Unicode text ({e.reason} at {e.start})") from e
             prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             prompt_text, token_ids = None, list(prompt)
@@ -109,6 +113,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         n_prompt = len(token_ids)
         if n_prompt >= self.max_model_len:
             raise ValueError(
@@ -125,7 +131,7 @@ class LLMEngine:
         for i in range(params.n):
             generator = None
             if params.seed is not None:
-                generator = torch.Generator().manual_seed(params.seed + i)
+                generator = torch.Generator().manual_seed((params.seed + i) % 2**64)
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(

@@ -106,7 +106,7 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
 def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    top_k = torch.tensor([r.params.top_k or vocab for r in rows])
+    top_k = torch.tensor([min(r.params.top_k, vocab) or vocab for r in rows])
     ranks = torch.arange(vocab)[None, :]
     mask = ranks >= top_k[:, None]
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype)

@@ -46,6 +46,23 @@ def resolve_model_dir(model: str) -> Path:
     raise FileNotFoundError(f"--model {model}: no such folder or file (models are not downloaded from a hub)")
 
 
+def check_model_source(model: str, load_format: str = "auto") -> None:
+    """Fail fast, reading no weights, when ``model`` cannot be a model (a server checks before it listens)."""
+    if load_format == "dummy":
+        dummy_config(model)
+        return
+    if model == "default":
+        return
+    path = Path(model).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(f"--model {model}: the folder has no config.json")
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+        return
+    if path.exists():
+        raise ValueError(f"--model {model}: not a model folder or a .gguf file")
+    raise FileNotFoundError(f"--model {model}: no such folder or file (models are not downloaded from a hub)")
+
+
 def _converted_gguf_dir(path: Path) -> Path:
     stat = path.resolve().stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]

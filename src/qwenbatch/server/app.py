@@ -81,8 +81,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(loc) or None
+        param = None if first.get("type") == "json_invalid" else _param_path(first.get("loc", ()))
         message = f"{param}: {first['msg']}" if param else first["msg"]
         return OrjsonResponse(APIError(400, message, param=param).body(), status_code=400)
 
@@ -95,6 +94,16 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ClientDisconnected)
     async def disconnected(_: Request, e: ClientDisconnected):
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+
+# pydantic names the branch of a union it tried ("prompt.str", "content.list[TextPart]"); clients want the field.
+_UNION_BRANCHES = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "TextPart", "ChatMessage"}
+
+
+def _param_path(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    parts = [p for p in parts if p not in _UNION_BRANCHES and "[" not in p]
+    return ".".join(parts) or None
 
 
 def _add_routes(app: FastAPI, settings: ServerSettings, names: list[str], metrics: ServerMetrics) -> None:
@@ -143,9 +152,10 @@ def _add_routes(app: FastAPI, settings: ServerSettings, names: list[str], metric
 
 
 def _effective_config(ctx: ServerContext) -> dict:
-    engine = ctx.engine.engine
-    if engine is None or ctx.engine.state is EngineState.LOADING:
-        raise unavailable("the model is still loading")
+    try:
+        engine = ctx.engine.ready_engine()
+    except EngineNotReadyError as e:
+        raise unavailable(str(e)) from e
     bm = engine.block_manager
     config = dataclasses.asdict(engine.config)
     config.update(

@@ -23,6 +23,7 @@ from qwenbatch.server.common import (
     make_request,
     sampling_params,
     sse,
+    stream_error,
     usage,
 )
 from qwenbatch.server.protocol import (
@@ -175,8 +176,8 @@ async def _stream(
                 yield sse(view.chunk(choices))
         if include_usage:
             yield sse(view.chunk([], usage(len(request.prompt_token_ids), num_output)))
-    except EngineNotReadyError as e:
-        yield sse(APIError(503, str(e), "service_unavailable", code="unavailable").body())
+    except (EngineNotReadyError, ValueError) as e:
+        yield stream_error(e)
     finally:
         watcher.cancel()
     yield SSE_DONE

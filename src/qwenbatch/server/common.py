@@ -175,10 +175,15 @@ async def collect(streams: list[AsyncIterator[RequestOutput]], request: Request)
         if gathered not in done:
             raise ClientDisconnected()
         outputs = gathered.result()
+    except EngineNotReadyError as e:  # the engine died while the request ran
+        raise unavailable(str(e)) from e
+    except ValueError as e:  # the engine refused the request when it arrived
+        raise APIError(400, str(e)) from e
     finally:
         watcher.cancel()
-        for task in tasks:
-            task.cancel()  # a no-op for finished ones; closes (and so aborts) the others
+        if gathered.done() and not gathered.cancelled():
+            gathered.exception()  # retrieved, so asyncio does not log it again
+        gathered.cancel()  # cancels (and so aborts) the streams still running
     if any(o is None or not o.finished for o in outputs):
         raise unavailable("the request was aborted (the server is shutting down)")
     return outputs
@@ -226,3 +231,10 @@ def sse(payload: BaseModel | dict) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+def stream_error(error: Exception) -> bytes:
+    """The event that ends a stream that failed after its 200 was sent (vLLM sends the same shape)."""
+    if isinstance(error, EngineNotReadyError):
+        return sse(unavailable(str(error)).body())
+    return sse(APIError(400, str(error)).body())

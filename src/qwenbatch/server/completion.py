@@ -24,6 +24,7 @@ from qwenbatch.server.common import (
     merge,
     sampling_params,
     sse,
+    stream_error,
     usage,
 )
 from qwenbatch.server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
@@ -135,8 +136,8 @@ async def _stream(
         if include_usage:
             num_prompt = sum(len(r.prompt_token_ids) for r in requests)
             yield sse(view.chunk([], usage(num_prompt, num_output)))
-    except EngineNotReadyError as e:
-        yield sse(APIError(503, str(e), "service_unavailable", code="unavailable").body())
+    except (EngineNotReadyError, ValueError) as e:
+        yield stream_error(e)
     finally:
         watcher.cancel()
     yield SSE_DONE

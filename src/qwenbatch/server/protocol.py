@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
+MAX_N = 128  # samples per prompt; a bound so one request cannot queue unbounded work
 PositiveInt = Annotated[int, Field(ge=1)]
 
 
@@ -50,11 +51,11 @@ class _SamplingFields(_Request):
     """Fields chat and completions share; ``to_sampling_params`` lives in server/sampling.py."""
 
     model: str | None = None
-    n: PositiveInt = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stream: bool = False
