@@ -69,7 +69,7 @@ def parse_lines(
             line.body = {**defaults, **line.body}
         line.occurrence = seen[line.custom_id]
         seen[line.custom_id] += 1
-        if line.occurrence and line.valid:
+        if line.occurrence:  # valid or not, a repeat is answered as a duplicate, so each occurrence once
             line.error_code = DUPLICATE
             line.error_message = f"custom_id {line.custom_id!r} appears more than once; the first one is run"
         index += 1

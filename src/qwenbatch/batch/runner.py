@@ -73,7 +73,8 @@ class BatchSummary:
 
 
 def read_lines(path: Path, options: BatchOptions) -> Iterator[BatchLine]:
-    with open(path, encoding="utf-8", errors="replace") as f:
+    # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first line.
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
         yield from parse_lines(f, options.input_format, prompt_url=options.prompt_url, defaults=options.defaults)
 
 
@@ -101,8 +102,10 @@ async def run_batch(input_path: Path, output_path: Path, backend: Backend, optio
         logger.info("resuming: %d of %d lines are done", len(done), summary.total)
     last_log = started
     tasks: set[asyncio.Task] = set()
+    needs_backend = any(line.valid and not done.has(line) for line in read_lines(input_path, options))
     try:
-        await backend.start()
+        if needs_backend:  # a finished job loads no model (and starts no Ray cluster)
+            await backend.start()
         started = time.perf_counter()
         slots = asyncio.Semaphore(max(1, backend.capacity))
 

@@ -29,6 +29,7 @@ _REMOVED = {"\u200b", "\u2060", "\ufeff", "\u180e"}
 _SPACE_RUN = re.compile(r"(?<=\S)[ \t]{2,}")
 _TRAILING = re.compile(r"[ \t]+$", re.MULTILINE)
 _BLANK_RUN = re.compile(r"\n{3,}")
+_LEADING_BLANK_LINES = re.compile(r"\A(?:[ \t]*\n)+")
 
 
 def normalize_input(text: str, max_chars: int | None = None) -> str:
@@ -37,7 +38,7 @@ def normalize_input(text: str, max_chars: int | None = None) -> str:
     text = "".join(c for c in text if c not in _REMOVED and (c in "\t\n" or unicodedata.category(c) != "Cc"))
     text = _SPACE_RUN.sub(" ", text)
     text = _TRAILING.sub("", text)
-    text = _BLANK_RUN.sub("\n\n", text).strip()
+    text = _LEADING_BLANK_LINES.sub("", _BLANK_RUN.sub("\n\n", text)).rstrip()  # the first line keeps its indent
     if max_chars is not None:
         text = text[:max_chars]
     return text
@@ -55,11 +56,10 @@ def clean_output(text: str) -> str:
     """The answer without a stock opening such as "好的，以下是…：" or "Sure, here is …:" (see module doc)."""
     cleaned = text.lstrip()
     for _ in range(2):
-        for pattern in _PREAMBLES:
-            match = pattern.match(cleaned)
-            if match and cleaned[match.end() :].strip():
-                cleaned = cleaned[match.end() :]
-                break
-        else:
+        match = next((m for p in _PREAMBLES if (m := p.match(cleaned))), None)
+        if match is None:
             break
+        if not cleaned[match.end() :].strip():
+            return text  # the answer is only a preamble: leave it whole
+        cleaned = cleaned[match.end() :]
     return cleaned if cleaned.strip() else text
