@@ -760,7 +760,7 @@ def test_clean_output_leaves_error_bodies_alone(tmp_path):
 
 def test_clean_output_flag_reaches_the_runner(capsys, monkeypatch, tmp_path):
     backend = CannedBackend(body=canned_answers_body())
-    monkeypatch.setattr("qwenbatch.cli._batch_backend", lambda name, args: backend)
+    monkeypatch.setattr("qwenbatch.commands.run_batch.make_backend", lambda name, args: backend)
     inp = write_jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     out = tmp_path / "out.jsonl"
     code, _, err = run_cli(capsys, ["-i", str(inp), "-o", str(out), "--clean-output", "--max-tokens", "7"])
@@ -785,7 +785,7 @@ def test_in_flight_requests_never_exceed_the_backends_capacity(tmp_path):
 
 def test_no_resume_starts_the_output_afresh(capsys, monkeypatch, tmp_path):
     backend = CannedBackend()
-    monkeypatch.setattr("qwenbatch.cli._batch_backend", lambda name, args: backend)
+    monkeypatch.setattr("qwenbatch.commands.run_batch.make_backend", lambda name, args: backend)
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
     out = tmp_path / "out.jsonl"
     for flags in ([], [], ["--no-resume"]):

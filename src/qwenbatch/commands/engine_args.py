@@ -1,0 +1,63 @@
+"""The engine flags every model-loading sub-command takes, and the EngineConfig they make."""
+
+from __future__ import annotations
+
+import argparse
+
+from qwenbatch.config import EngineConfig, parse_kv_cache_memory
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The flags every sub-command that loads a model takes (vLLM's names)."""
+    g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="'default' (embedded Qwen2.5-Coder-0.5B-Instruct), a Hugging Face folder, a .gguf file, "
+        "or with --load-format dummy a shape name (qwen3-0.6b, qwen3-4b, qwen2.5-0.5b)",
+    )
+    g.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default=None,
+        help="dummy: random weights of the model's shape, for benchmarks",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default=None,
+        help="weights and activations (auto: bfloat16, the fast dtype on CPU)",
+    )
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block")
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV of shared prompt prefixes (default: on)",
+    )
+    g.add_argument(
+        "--kv-cache-memory",
+        type=parse_kv_cache_memory,
+        default=None,
+        help="KV-cache size in bytes (4GiB) or as a fraction of the memory left after the weights (0.5); default 4GiB",
+    )
+    g.add_argument("--seed", type=int, default=None)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from flags, falling back to QWENBATCH_* environment variables, then defaults."""
+    return EngineConfig.from_env(
+        model=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_memory=args.kv_cache_memory,
+        seed=args.seed,
+    )

@@ -1,0 +1,104 @@
+"""``qwenbatch serve``: the OpenAI-compatible server under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from qwenbatch.commands.engine_args import add_engine_args, engine_config_from_args
+from qwenbatch.config import parse_bytes
+from qwenbatch.loader.default_model import DEFAULT_MODEL_NAME
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register this sub-command on the top-level parser."""
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server",
+        description="Serve the model over an OpenAI-compatible API; all requests share one engine. "
+        "Flags fall back to QWENBATCH_<FLAG> environment variables (QWENBATCH_API_KEY, QWENBATCH_PORT, ...).",
+    )
+    env = os.environ.get
+    serve.add_argument("--host", default=env("QWENBATCH_HOST", "127.0.0.1"))
+    serve.add_argument("--port", type=int, default=int(env("QWENBATCH_PORT", "8000")))
+    serve.add_argument("--api-key", default=env("QWENBATCH_API_KEY"), help="require this bearer token")
+    serve.add_argument(
+        "--admin-api-key", default=env("QWENBATCH_ADMIN_API_KEY"), help="for POST /config (default: --api-key)"
+    )
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=env("QWENBATCH_SERVED_MODEL_NAME", "").split() or None,
+        help="the names clients use for the model (default: the --model value)",
+    )
+    serve.add_argument(
+        "--max-waiting-seqs",
+        type=int,
+        default=int(env("QWENBATCH_MAX_WAITING_SEQS", "4096")),
+        help="above this many waiting sequences new requests get 503 with Retry-After",
+    )
+    serve.add_argument(
+        "--max-request-body",
+        type=parse_bytes,
+        default=parse_bytes(env("QWENBATCH_MAX_REQUEST_BODY", "32MiB")),
+        help="largest request body (413 above it)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=float(env("QWENBATCH_SHUTDOWN_TIMEOUT", "30")),
+        help="on SIGTERM, seconds to let in-flight requests finish",
+    )
+    add_engine_args(serve)
+    serve.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the sub-command; returns the exit code (errors raise ValueError for a one-line message)."""
+    import signal
+
+    try:
+        import uvicorn
+
+        from qwenbatch.server.app import ServerSettings, build_app
+    except ImportError as e:
+        raise ValueError(f"the server needs the server extra: pip install 'qwenbatch[server]' ({e})") from e
+
+    from qwenbatch.loader import check_model_source
+
+    config = engine_config_from_args(args)
+    check_model_source(config.model, config.load_format)  # a bad --model fails here, not after listening
+    names = args.served_model_name or ([config.model, DEFAULT_MODEL_NAME] if config.model == "default" else None)
+    failures: list[BaseException] = []
+
+    def on_fatal(error: BaseException) -> None:
+        failures.append(error)
+        server.should_exit = True
+
+    settings = ServerSettings(
+        served_model_names=names or [],
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        max_waiting_seqs=args.max_waiting_seqs,
+        max_body_bytes=args.max_request_body,
+        on_fatal=on_fatal,
+    )
+    app = build_app(settings, config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+            log_level="debug" if args.verbose else "info",
+        )
+    )
+    # uvicorn re-raises the signal it stopped on once it has drained; a handler that does nothing
+    # turns that into a normal exit (0) after the graceful shutdown.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run()
+    if failures:
+        print(f"qwenbatch: error: {failures[0]}", file=sys.stderr)
+        return 1
+    return 0
