@@ -28,7 +28,7 @@ CORPUS = [
 ]
 
 
-def make_tokenizer(folder: Path) -> int:
+def make_tokenizer(folder: Path, extra_tokens: tuple[str, ...] = ()) -> int:
     """Train a small byte-level BPE and save it as a Hugging Face fast tokenizer; returns its size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -46,18 +46,18 @@ def make_tokenizer(folder: Path) -> int:
         pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"],
     )
-    hf.add_tokens(ADDED_TOKENS)
+    hf.add_tokens(ADDED_TOKENS + list(extra_tokens))
     hf.chat_template = CHAT_TEMPLATE
     hf.save_pretrained(str(folder))
     return len(hf)
 
 
-def make_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
+def make_checkpoint(folder: Path, arch: str, seed: int = 0, extra_tokens: tuple[str, ...] = ()) -> Path:
     """A tiny random checkpoint of ``arch`` ("qwen2" or "qwen3") saved the way real ones are."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = make_tokenizer(folder)
+    vocab = make_tokenizer(folder, extra_tokens)
     common = dict(
         vocab_size=vocab,
         hidden_size=64,
@@ -95,6 +95,12 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 whose tokenizer has single "yes" and "no" tokens, in a folder named like a reranker."""
+    return make_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-reranker"), "qwen3", seed=1, extra_tokens=("yes", "no"))
 
 
 @pytest.fixture(scope="session", params=["qwen2", "qwen3"])

@@ -12,6 +12,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+TASKS = ("auto", "generate", "rerank")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -78,8 +79,13 @@ class EngineConfig:
     # Default: 4 GiB, at most a quarter of available memory.
     kv_cache_memory: int | float | None = None
     seed: int = 0
+    # "rerank": score query-document pairs (Qwen3-Reranker); "auto": rerank when the model's name says so.
+    task: str = "auto"
+    tokenizer: str | None = None  # a tokenizer folder ("default": the default model's), e.g. for dummy weights
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device != "cpu":
@@ -93,6 +99,13 @@ class EngineConfig:
         kv = self.kv_cache_memory
         if kv is not None and (kv <= 0 or (isinstance(kv, float) and kv >= 1)):
             raise ValueError(f"kv_cache_memory must be a byte count or a fraction in (0, 1), got {kv!r}")
+
+    @property
+    def resolved_task(self) -> str:
+        """The task "auto" stands for: rerank for a model whose name says reranker, else generate."""
+        if self.task != "auto":
+            return self.task
+        return "rerank" if "reranker" in str(self.model).lower() else "generate"
 
     @property
     def torch_dtype(self) -> torch.dtype:

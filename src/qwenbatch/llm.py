@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+import math
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from tqdm import tqdm
 
 from qwenbatch.config import EngineConfig
 from qwenbatch.engine.llm_engine import LLMEngine
-from qwenbatch.outputs import RequestOutput
+from qwenbatch.engine.request import EngineRequest
+from qwenbatch.outputs import RequestOutput, RerankResult
 from qwenbatch.sampling_params import SamplingParams
 from qwenbatch.tokenizer import THINK_END, THINK_START, split_reasoning
 
@@ -64,10 +67,63 @@ class LLM:
         Prompts are pulled from the iterable only as the engine has room (about two batches
         ahead), so a million-prompt iterator never sits tokenized in memory at once.
         """
-        engine = self.engine
         per_prompt = not isinstance(sampling_params, SamplingParams)
+
+        def makers() -> Iterator[Callable[[str], EngineRequest]]:
+            for index, prompt in enumerate(prompts):
+                params = sampling_params[index] if per_prompt else sampling_params
+                yield functools.partial(self.engine.make_request, prompt=prompt, params=params)
+
+        yield from self._drive(makers(), use_tqdm, total)
+
+    def score(
+        self, pairs: Iterable[tuple[str, str]], instruction: str | None = None, use_tqdm: bool = True
+    ) -> list[float]:
+        """Qwen3-Reranker P(yes) of each (query, document) pair, in input order (NaN for a failed pair)."""
+        return [r.score for r in self._score(pairs, instruction, use_tqdm)]
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        instruction: str | None = None,
+        top_n: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RerankResult]:
+        """``documents`` by relevance to ``query``, best first (the first ``top_n``)."""
+        if not query:
+            raise ValueError("query must not be empty")
+        results = self._score(((query, d) for d in documents), instruction, use_tqdm, total=len(documents))
+        for result in results:
+            result.document = documents[result.index]
+        ranked = sorted(results, key=lambda r: -r.score)
+        return ranked[:top_n] if top_n is not None else ranked
+
+    def _score(
+        self, pairs: Iterable[tuple[str, str]], instruction: str | None, use_tqdm: bool, total: int | None = None
+    ) -> list[RerankResult]:
+        """One result per pair in input order; documents are left empty (rerank fills them in)."""
+        formatter = self.engine.rerank_formatter
+        truncated: list[int] = []
+
+        def makers() -> Iterator[Callable[[str], EngineRequest]]:
+            for query, document in pairs:
+                prompt = formatter.build(query, document, instruction)
+                truncated.append(prompt.truncated_tokens)
+                yield functools.partial(self.engine.make_score_request, token_ids=prompt.token_ids)
+
+        scores: dict[int, float] = {}
+        for index, output in self._drive(makers(), use_tqdm, total):
+            scores[index] = output.score if output.score is not None else math.nan
+        return [RerankResult(i, scores[i], "", truncated[i]) for i in range(len(scores))]
+
+    def _drive(
+        self, makers: Iterator[Callable[[str], EngineRequest]], use_tqdm: bool, total: int | None
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """Feed the engine requests made on demand, step it, and yield ``(index, output)`` as they finish."""
+        engine = self.engine
         lookahead = 2 * self.config.max_num_seqs
-        source = iter(enumerate(prompts))
+        source = enumerate(makers)
         index_of: dict[str, int] = {}
         bar = tqdm(total=total, desc="requests", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         tokens_in = tokens_out = 0
@@ -80,10 +136,9 @@ class LLM:
                     if item is None:
                         exhausted = True
                         break
-                    index, prompt = item
+                    index, make = item
                     request_id = f"gen-{next(self._ids)}"
-                    params = sampling_params[index] if per_prompt else sampling_params
-                    engine.add_request(request_id, prompt, params)
+                    engine.add(make(request_id))
                     index_of[request_id] = index
                 if not engine.has_unfinished():
                     break

@@ -30,6 +30,16 @@ class CompletionOutput:
 
 
 @dataclass
+class RerankResult:
+    """One document scored against a query by ``LLM.rerank`` / ``LLM.score``."""
+
+    index: int  # position in the input
+    score: float  # P(yes), in [0, 1]
+    document: str
+    truncated_tokens: int = 0  # body tokens dropped to fit the reranker's max length
+
+
+@dataclass
 class RequestOutput:
     """The state of one request: its prompt and its completions so far."""
 
@@ -38,6 +48,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    score: float | None = None  # a scoring request's P(yes) (reranker); outputs is empty then
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -50,7 +50,7 @@ class BatchLine:
 def parse_lines(
     lines: Iterable[str],
     input_format: str = "auto",
-    endpoints: tuple[str, ...] = (CHAT_URL, COMPLETIONS_URL),
+    endpoints: tuple[str, ...] = (CHAT_URL, COMPLETIONS_URL, RERANK_URL),
     prompt_url: str = CHAT_URL,
     defaults: dict | None = None,
 ) -> Iterator[BatchLine]:

@@ -243,4 +243,4 @@ def _clean(body: dict) -> None:
 
 def _usage(body: dict) -> tuple[int, int]:
     usage = body.get("usage") or {}
-    return usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+    return usage.get("prompt_tokens", usage.get("total_tokens", 0)), usage.get("completion_tokens", 0)

@@ -45,6 +45,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV-cache size in bytes (4GiB) or as a fraction of the memory left after the weights (0.5); default 4GiB",
     )
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument(
+        "--task",
+        choices=["auto", "generate", "rerank"],
+        default=None,
+        help="rerank: score query-document pairs (Qwen3-Reranker); auto: rerank when the model name says reranker",
+    )
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder or 'default' (for dummy weights)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -60,4 +67,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory=args.kv_cache_memory,
         seed=args.seed,
+        task=args.task,
+        tokenizer=args.tokenizer,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import time
 
 import psutil
@@ -18,14 +19,16 @@ from qwenbatch.engine.scheduler import Scheduler
 from qwenbatch.engine.sequence import Sequence
 from qwenbatch.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from qwenbatch.layers.sampler import SamplingRow
-from qwenbatch.loader import load_model
+from qwenbatch.loader import load_model, resolve_model_dir
 from qwenbatch.outputs import RequestOutput
+from qwenbatch.rerank import DEFAULT_MAX_LENGTH, RerankFormatter, score_token_ids
 from qwenbatch.sampling_params import SamplingParams
 from qwenbatch.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_CAP = 4 * 2**30  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE)
+SCORE_PARAMS = SamplingParams(temperature=0, max_tokens=1)  # placeholder: score-only sequences never sample
 
 
 def kv_cache_budget(setting: int | float | None) -> int:
@@ -49,8 +52,15 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         loaded = load_model(config.model, config.load_format, self.dtype, device, config.seed)
         self.model_config = loaded.config
-        self.tokenizer = Tokenizer(loaded.tokenizer_dir, loaded.config.eos_token_ids) if loaded.tokenizer_dir else None
+        tokenizer_dir = resolve_model_dir(config.tokenizer) if config.tokenizer else loaded.tokenizer_dir
+        self.tokenizer = Tokenizer(tokenizer_dir, loaded.config.eos_token_ids) if tokenizer_dir else None
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else loaded.config.eos_token_ids
+        self.task = config.resolved_task
+        score_ids = None
+        if self.task == "rerank":
+            if self.tokenizer is None:
+                raise ValueError("--task rerank needs a tokenizer (dummy weights: pass --tokenizer default)")
+            score_ids = score_token_ids(self.tokenizer)
 
         per_token = kv_cache_bytes_per_token(loaded.config, self.dtype)
         kv_bytes = kv_cache_budget(config.kv_cache_memory)
@@ -64,7 +74,12 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len(pool_tokens)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, self.dtype, device)
+        self.runner = ModelRunner(
+            loaded.model, loaded.config, num_blocks, config.block_size, self.dtype, device, score_ids
+        )
+        self._rerank_formatter = None
+        if self.task == "rerank":
+            self._rerank_formatter = RerankFormatter(self.tokenizer, min(DEFAULT_MAX_LENGTH, self.max_model_len))
         self._requests: dict[str, EngineRequest] = {}
         self._seq_ids = itertools.count()
         self._stats = IterationStats()
@@ -152,6 +167,28 @@ class LLMEngine:
             seqs.append(seq)
         return EngineRequest(request_id, prompt_text, token_ids, seqs, stream, arrival_time=time.monotonic())
 
+    @property
+    def rerank_formatter(self) -> RerankFormatter:
+        """Builds reranker prompts; ValueError when the engine does not score (not --task rerank)."""
+        if self._rerank_formatter is None:
+            raise ValueError("this model does not score pairs: serve a Qwen3-Reranker, or pass --task rerank")
+        return self._rerank_formatter
+
+    def make_score_request(self, request_id: str, token_ids: list[int]) -> EngineRequest:
+        """A request that prefills ``token_ids`` and reports P(yes) at the last position (reranker)."""
+        self.rerank_formatter  # noqa: B018 (raises when the engine does not score)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"the pair has {len(token_ids)} tokens; max_model_len is {self.max_model_len}")
+        seq = Sequence(
+            next(self._seq_ids), request_id, 0, list(token_ids), len(token_ids), SCORE_PARAMS, 1, score_only=True
+        )
+        return EngineRequest(request_id, None, list(token_ids), [seq], arrival_time=time.monotonic())
+
     def add(self, request: EngineRequest) -> None:
         """Queue a request made by ``make_request``."""
         if request.request_id in self._requests:
@@ -210,14 +247,19 @@ class LLMEngine:
             req = self._requests[s.seq.request_id]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-        rows = [self._sampling_row(s.seq) for s in sched.scheduled if s.samples]
+        rows = [self._sampling_row(s.seq) for s in sched.scheduled if s.samples and not s.seq.score_only]
         result = self.runner.execute(sched, rows)
         now = time.monotonic()
         self._stats.num_batched_tokens += sched.num_batched_tokens
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
-        sampled = [s.seq for s in sched.scheduled if s.samples]
+        sampled = [s.seq for s in sched.scheduled if s.samples and not s.seq.score_only]
+        scored = [s.seq for s in sched.scheduled if s.samples and s.seq.score_only]
         touched: dict[str, EngineRequest] = {}
+        for seq, value in zip(scored, result.scores, strict=True):
+            req = self._requests[seq.request_id]
+            self._record_score(req, seq, value, now)
+            touched[req.request_id] = req
         for seq, token, lp, bad in zip(sampled, result.token_ids, result.logprobs, result.non_finite, strict=True):
             req = self._requests[seq.request_id]
             self._record_token(req, seq, now)
@@ -236,6 +278,17 @@ class LLMEngine:
                 del self._requests[req.request_id]
                 self._record_finished(req, now)
         return outputs
+
+    def _record_score(self, req: EngineRequest, seq: Sequence, value: float, now: float) -> None:
+        req.first_token_time = now
+        self._stats.time_to_first_token.append(now - req.arrival_time)
+        self._stats.num_prompt_tokens += len(req.prompt_token_ids)
+        if math.isfinite(value):
+            seq.score = value
+            self._finish(seq, "stop")
+        else:
+            seq.error = f"the model produced a non-finite score in {self.dtype}: try --dtype bfloat16"
+            self._finish(seq, "error")
 
     def _record_token(self, req: EngineRequest, seq: Sequence, now: float) -> None:
         stats = self._stats

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -19,12 +19,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ModelRunnerOutput:
-    """One sampled token per sequence that sampled this step, in scheduling order."""
+    """One sampled token per generating sequence that sampled this step, in scheduling order, and one
+    score per scoring sequence that finished its prompt."""
 
     seq_ids: list[int]
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
     non_finite: list[bool]  # the sequence's logits held NaN/inf
+    scores: list[float] = field(default_factory=list)  # P(yes), per score-only sequence, in scheduling order
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -41,7 +43,12 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        score_token_ids: tuple[int, int] | None = None,
     ) -> None:
+        # The reranker's two LM-head rows ("no", "yes"), in float32, taken before packing changes the layout.
+        self.score_weight = None
+        if score_token_ids is not None:
+            self.score_weight = model.lm_head.weight.detach()[list(score_token_ids)].float().clone()
         if onednn_available(dtype, device):
             pack_linears(model)
         self.model = model
@@ -110,9 +117,20 @@ class ModelRunner:
         """Run one step; ``rows`` describes, in order, each scheduled sequence that samples."""
         ids, positions, meta, sample_rows = self._prepare(sched)
         hidden = self.model(ids, positions, self.kv_caches, meta)
-        sampled = [s.seq.seq_id for s in sched.scheduled if s.samples]
-        if not sample_rows:
-            return ModelRunnerOutput([], [], [], [])
-        logits = self.model.compute_logits(hidden[sample_rows])
-        out = sample(logits, rows)
-        return ModelRunnerOutput(sampled, out.token_ids, out.logprobs, out.non_finite)
+        sampling = [s.seq for s in sched.scheduled if s.samples]
+        generate_rows = [r for r, seq in zip(sample_rows, sampling, strict=True) if not seq.score_only]
+        score_rows = [r for r, seq in zip(sample_rows, sampling, strict=True) if seq.score_only]
+        out = ModelRunnerOutput([seq.seq_id for seq in sampling if not seq.score_only], [], [], [])
+        if generate_rows:
+            sampled = sample(self.model.compute_logits(hidden[generate_rows]), rows)
+            out.token_ids, out.logprobs, out.non_finite = sampled.token_ids, sampled.logprobs, sampled.non_finite
+        if score_rows:
+            out.scores = self._scores(hidden[score_rows])
+        return out
+
+    def _scores(self, hidden: torch.Tensor) -> list[float]:
+        """P(yes) from a float32 softmax over the logits of "no" and "yes" only (two LM-head rows)."""
+        if self.score_weight is None:
+            raise ValueError("this engine was not built for scoring (task rerank)")
+        logits = hidden.float() @ self.score_weight.T
+        return torch.log_softmax(logits, dim=-1)[:, 1].exp().tolist()

@@ -30,6 +30,12 @@ class EngineRequest:
 
     def final_output(self) -> RequestOutput:
         """Everything the request produced, for a request that has finished."""
+        if self.seqs[0].score_only:
+            seq = self.seqs[0]
+            out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [], finished=True, score=seq.score)
+            if seq.error:
+                out.outputs = [CompletionOutput(0, "", [], finish_reason="error", error=seq.error)]
+            return out
         outputs = [
             CompletionOutput(
                 index=seq.index,

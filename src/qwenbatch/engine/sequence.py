@@ -39,6 +39,8 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    score_only: bool = False  # a reranker pair: prefill, then P(yes) instead of a sampled token
+    score: float | None = None
     # Streaming cursors: how much of the output has been reported as deltas.
     num_streamed_tokens: int = 0
     num_streamed_chars: int = 0

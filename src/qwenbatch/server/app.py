@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from qwenbatch.config import EngineConfig
 from qwenbatch.engine.async_engine import AsyncEngine, EngineNotReadyError, EngineState
 from qwenbatch.engine.llm_engine import LLMEngine
-from qwenbatch.server import chat, completion
+from qwenbatch.server import chat, completion, rerank
 from qwenbatch.server.common import APIError, ClientDisconnected, OrjsonResponse, ServerContext, unavailable
 from qwenbatch.server.guard import GuardMiddleware
 from qwenbatch.server.metrics import ServerMetrics
@@ -69,6 +69,7 @@ def build_app(
     _add_error_handlers(app)
     app.include_router(chat.router)
     app.include_router(completion.router)
+    app.include_router(rerank.router)
     _add_routes(app, settings, names, metrics)
     return app
 

@@ -101,6 +101,35 @@ class CompletionRequest(_SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
+MAX_RERANK_DOCUMENTS = 4096  # pairs in one rerank/score request
+
+
+class RerankDocument(_Request):
+    text: str
+
+
+class RerankRequest(_Request):
+    """vLLM's and Jina's /rerank: one query against many documents."""
+
+    model: str | None = None
+    query: Annotated[str, Field(min_length=1)]
+    documents: Annotated[list[str | RerankDocument], Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS)]
+    top_n: PositiveInt | None = None
+    instruction: str | None = None
+    return_documents: bool = True
+
+
+class ScoreRequest(_Request):
+    """vLLM's /score: text_1 against text_2, one to one or one to many."""
+
+    model: str | None = None
+    text_1: Annotated[str, Field(min_length=1)] | Annotated[list[str], Field(min_length=1)]
+    text_2: (
+        Annotated[str, Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS)]
+    )
+    instruction: str | None = None
+
+
 class ConfigUpdate(_Request):
     """``POST /config``: the limits that can change while the server runs."""
 
