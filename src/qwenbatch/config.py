@@ -105,7 +105,8 @@ class EngineConfig:
         """The task "auto" stands for: rerank for a model whose name says reranker, else generate."""
         if self.task != "auto":
             return self.task
-        return "rerank" if "reranker" in str(self.model).lower() else "generate"
+        name = str(self.model).rstrip("/").rsplit("/", 1)[-1]  # the model's own name, not its parent folders
+        return "rerank" if "reranker" in name.lower() else "generate"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -15,7 +15,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "rerank",
         help="rank the documents of a file against a query (Qwen3-Reranker)",
         description="Score each line of --documents against --query and print them best first: "
-        "score, input line number, document.",
+        "score, index (among the file's non-blank lines, from 0), document.",
     )
     rr.add_argument("--query", required=True)
     rr.add_argument("--documents", type=Path, required=True, help="a text file, one document per line")

@@ -81,7 +81,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        errors = e.errors() or [{"loc": (), "msg": "invalid request"}]
+        # For a union, pydantic reports each branch; a type mismatch of the wrong branch is the least useful.
+        first = next((err for err in errors if not str(err.get("type", "")).endswith("_type")), errors[0])
         param = None if first.get("type") == "json_invalid" else _param_path(first.get("loc", ()))
         message = f"{param}: {first['msg']}" if param else first["msg"]
         return OrjsonResponse(APIError(400, message, param=param).body(), status_code=400)
@@ -98,7 +100,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 # pydantic names the branch of a union it tried ("prompt.str", "content.list[TextPart]"); clients want the field.
-_UNION_BRANCHES = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "TextPart", "ChatMessage"}
+_UNION_BRANCHES = {
+    "str", "constrained-str", "int", "float", "bool", "dict", "list", "none", "function-after",
+    "TextPart", "ChatMessage", "RerankDocument",
+}  # fmt: skip
 
 
 def _param_path(loc: tuple) -> str | None:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 NonNegativeInt = Annotated[int, Field(ge=0)]
 MAX_N = 128  # samples per prompt; a bound so one request cannot queue unbounded work
 PositiveInt = Annotated[int, Field(ge=1)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
 class _Request(BaseModel):
@@ -112,7 +113,7 @@ class RerankRequest(_Request):
     """vLLM's and Jina's /rerank: one query against many documents."""
 
     model: str | None = None
-    query: Annotated[str, Field(min_length=1)]
+    query: NonEmptyStr
     documents: Annotated[list[str | RerankDocument], Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS)]
     top_n: PositiveInt | None = None
     instruction: str | None = None
@@ -123,10 +124,9 @@ class ScoreRequest(_Request):
     """vLLM's /score: text_1 against text_2, one to one or one to many."""
 
     model: str | None = None
-    text_1: Annotated[str, Field(min_length=1)] | Annotated[list[str], Field(min_length=1)]
-    text_2: (
-        Annotated[str, Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS)]
-    )
+    text_1: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS)]
+    # Documents may be empty strings (they score low), as in /rerank; queries may not.
+    text_2: NonEmptyStr | Annotated[list[str], Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS)]
     instruction: str | None = None
 
 

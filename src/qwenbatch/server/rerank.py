@@ -73,7 +73,8 @@ async def score(body: ScoreRequest, raw: Request):
     if len(firsts) == 1:
         firsts = firsts * len(seconds)
     if len(firsts) != len(seconds):
-        raise APIError(400, f"text_1 has {len(firsts)} items and text_2 {len(seconds)}: give one or as many", "text_1")
+        message = f"text_1 has {len(firsts)} items and text_2 {len(seconds)}: give one or as many"
+        raise APIError(400, message, param="text_1")
     base_id = f"score-{uuid.uuid4().hex}"
     requests, _ = _score_requests(engine, base_id, list(zip(firsts, seconds, strict=True)), body.instruction)
     outputs = await collect([ctx.engine.generate(r) for r in requests], raw)
