@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import signal
 import subprocess
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import orjson
+import serve_concurrency
 from common import CHAT_INSTRUCTIONS
 from serve_concurrency import free_port
 
@@ -55,21 +55,7 @@ def run_batch(args: list[str], env: dict | None = None) -> dict:
 
 def start_server(model: str, dtype: str, threads: int | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = dict(os.environ)
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    cmd = [*CLI, "serve", "--model", model, "--dtype", dtype, "--port", str(port)]
-    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return server, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("server did not start")
+    return serve_concurrency.start_server(model, dtype, port, threads), f"http://127.0.0.1:{port}"
 
 
 def stop(server: subprocess.Popen) -> None:
