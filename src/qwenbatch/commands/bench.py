@@ -1,4 +1,4 @@
-"""``qwenbatch bench``: the throughput benchmark beside the transformers baseline."""
+"""``qwenbatch bench``: offline throughput beside the transformers baseline, and load on a running server."""
 
 from __future__ import annotations
 
@@ -31,6 +31,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(tp)
     tp.set_defaults(func=run)
 
+    sv = bench.add_parser(
+        "serve",
+        help="load a running server: Poisson arrivals, streaming, latency percentiles",
+        description="Send streamed requests to an OpenAI-compatible server at --request-rate (Poisson; inf: all at "
+        "once) with at most --max-concurrency in flight; report throughput and TTFT / inter-token / end-to-end "
+        "latency p50/p95/p99, and failures by status code.",
+    )
+    sv.add_argument("--url", default="http://127.0.0.1:8000", help="the server (loopback unless --allow-remote)")
+    sv.add_argument("--workload", choices=["serve"], default="serve", help="chat requests from 32 instructions")
+    sv.add_argument("--input", type=Path, help="instead: a run-batch input file (chat or completions lines)")
+    sv.add_argument("--num-prompts", type=int, default=64)
+    sv.add_argument("--max-tokens", type=int, default=64, help="for requests that set none")
+    sv.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default inf)")
+    sv.add_argument("--max-concurrency", type=int, help="most requests in flight")
+    sv.add_argument("--max-duration", type=float, default=600.0, help="send no new request after this many seconds")
+    sv.add_argument("--model", help="model name to put in the requests")
+    sv.add_argument("--api-key")
+    sv.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url")
+    sv.add_argument("--seed", type=int, default=0, help="of the arrival times")
+    sv.add_argument("--output", type=Path, help="write the report as JSON here")
+    sv.set_defaults(func=run_serve)
+
 
 def run(args: argparse.Namespace) -> int:
     """Run the sub-command; returns the exit code (errors raise ValueError for a one-line message)."""
@@ -54,3 +76,50 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         args.output.write_text(json.dumps(report, indent=2))
     return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """``bench serve``: build the requests, load the server, print (and write) the report."""
+    import asyncio
+    import json
+
+    from qwenbatch.bench.serving import check_loopback, format_serve_report, run_load, serve_report
+    from qwenbatch.bench.workloads import serve_workload
+
+    if not args.allow_remote:
+        check_loopback(args.url)
+    if (
+        args.num_prompts < 1
+        or args.request_rate <= 0
+        or (args.max_concurrency is not None and args.max_concurrency < 1)
+    ):
+        raise ValueError("--num-prompts, --request-rate and --max-concurrency must be positive")
+    if args.input is not None:
+        requests = _requests_from_file(args.input, args.max_tokens)[: args.num_prompts]
+    else:
+        requests = serve_workload(args.num_prompts, args.max_tokens)
+    if args.model:
+        requests = [(url, {**body, "model": args.model}) for url, body in requests]
+    wall, timings, not_sent = asyncio.run(
+        run_load(
+            args.url, requests, args.request_rate, args.max_concurrency, args.max_duration, args.api_key, args.seed
+        )
+    )
+    report = serve_report(wall, timings, not_sent)
+    print(format_serve_report(report))
+    if args.output:
+        args.output.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _requests_from_file(path: Path, max_tokens: int) -> list[tuple[str, dict]]:
+    from qwenbatch.batch.jsonl import CHAT_URL, COMPLETIONS_URL, parse_lines
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    with open(path, encoding="utf-8-sig") as f:
+        lines = parse_lines(f, endpoints=(CHAT_URL, COMPLETIONS_URL), defaults={"max_tokens": max_tokens})
+        requests = [(line.url, line.body) for line in lines if line.valid]
+    if not requests:
+        raise ValueError(f"{path}: no chat or completions request line")
+    return requests
