@@ -792,3 +792,14 @@ def test_no_resume_starts_the_output_afresh(capsys, monkeypatch, tmp_path):
         assert run_cli(capsys, ["-i", str(inp), "-o", str(out), *flags])[0] == 0
     assert len(read_results(out)) == 2
     assert len(backend.sent) == 4  # first run, nothing on the resume, everything again without resume
+
+
+def test_normalize_input_reaches_rerank_queries_and_documents(tmp_path):
+    body = {"query": "what\u200b  is  ＡＢＣ?", "documents": ["a\u200bb  c", {"text": "ｄ  e"}]}
+    rows = [{"custom_id": "r", "method": "POST", "url": "/v1/rerank", "body": body}]
+    backend = CannedBackend(body={"results": [], "usage": {"total_tokens": 1}})
+    run_canned(tmp_path, rows, backend, normalize_input=True)
+    [(url, sent)] = backend.sent
+    assert url == "/v1/rerank"
+    assert sent["query"] == "what is ABC?"
+    assert sent["documents"] == ["ab c", {"text": "d e"}]

@@ -224,6 +224,13 @@ def _prepare(line: BatchLine, options: BatchOptions) -> dict:
                 m = {**m, "content": parts}
             messages.append(m)
         body["messages"] = messages
+    if isinstance(body.get("query"), str):  # a rerank line
+        body["query"] = norm(body["query"])
+    if isinstance(body.get("documents"), list):
+        body["documents"] = [
+            {**d, "text": norm(d["text"])} if isinstance(d, dict) and "text" in d else norm(d)
+            for d in body["documents"]
+        ]
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         body["prompt"] = norm(prompt)
