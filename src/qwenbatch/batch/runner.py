@@ -102,9 +102,10 @@ async def run_batch(input_path: Path, output_path: Path, backend: Backend, optio
         logger.info("resuming: %d of %d lines are done", len(done), summary.total)
     last_log = started
     tasks: set[asyncio.Task] = set()
-    needs_backend = any(line.valid and not done.has(line) for line in read_lines(input_path, options))
+    # Only a resumed job can have nothing left; then it loads no model (and starts no Ray cluster).
+    needs_backend = not len(done) or any(line.valid and not done.has(line) for line in read_lines(input_path, options))
     try:
-        if needs_backend:  # a finished job loads no model (and starts no Ray cluster)
+        if needs_backend:
             await backend.start()
         started = time.perf_counter()
         slots = asyncio.Semaphore(max(1, backend.capacity))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
 from qwenbatch.config import EngineConfig, parse_kv_cache_memory
 
@@ -55,18 +56,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from flags, falling back to QWENBATCH_* environment variables, then defaults."""
+    """EngineConfig from flags, falling back to QWENBATCH_* environment variables, then defaults.
+
+    Every EngineConfig field that has a flag of the same name is taken from it, so a new field
+    needs only its flag.
+    """
     return EngineConfig.from_env(
-        model=args.model,
-        load_format=args.load_format,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
-        kv_cache_memory=args.kv_cache_memory,
-        seed=args.seed,
-        task=args.task,
-        tokenizer=args.tokenizer,
+        **{f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
     )

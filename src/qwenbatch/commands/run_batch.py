@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     import tempfile
 
     from qwenbatch.batch.jsonl import CHAT_URL, COMPLETIONS_URL
-    from qwenbatch.batch.runner import BatchOptions, run_batch, scan
+    from qwenbatch.batch.runner import BatchOptions, run_batch
 
     backend_name = args.backend or ("server" if args.server else "local")
     if backend_name == "server" and not args.server:
@@ -97,7 +97,6 @@ def run(args: argparse.Namespace) -> int:
             if not input_path.is_file():
                 raise FileNotFoundError(f"{input_path}: no such file")
         output_path = Path(tmp) / "output.jsonl" if args.output == "-" else Path(args.output)
-        scan(input_path, options)  # a file with no valid line fails here, before any model loads
         backend = make_backend(backend_name, args)
         summary = asyncio.run(run_batch(input_path, output_path, backend, options))
         if args.output == "-":

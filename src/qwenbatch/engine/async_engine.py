@@ -205,7 +205,8 @@ class AsyncEngine:
         engine = self.engine
         idle_stats_pending = False
         while not self._stopping:
-            self._run_commands()
+            if self._run_commands():
+                idle_stats_pending = True  # e.g. an abort while idle: its stats must not wait for the next step
             if not engine.has_unfinished():
                 if idle_stats_pending:
                     self._publish_stats()
@@ -221,13 +222,16 @@ class AsyncEngine:
         engine.abort_all()
         self._publish_stats()
 
-    def _run_commands(self) -> None:
+    def _run_commands(self) -> int:
+        """Run the queued commands; how many ran."""
+        ran = 0
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return ran
             command()
+            ran += 1
 
     def _publish_stats(self) -> None:
         scheduler_stats = self.engine.scheduler_stats()

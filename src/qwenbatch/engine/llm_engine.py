@@ -28,6 +28,7 @@ from qwenbatch.tokenizer import IncrementalDetokenizer, Tokenizer
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_CAP = 4 * 2**30  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE)
+NOT_A_RERANKER = "this model does not score pairs: serve a Qwen3-Reranker, or pass --task rerank"
 SCORE_PARAMS = SamplingParams(temperature=0, max_tokens=1)  # placeholder: score-only sequences never sample
 
 
@@ -171,12 +172,13 @@ class LLMEngine:
     def rerank_formatter(self) -> RerankFormatter:
         """Builds reranker prompts; ValueError when the engine does not score (not --task rerank)."""
         if self._rerank_formatter is None:
-            raise ValueError("this model does not score pairs: serve a Qwen3-Reranker, or pass --task rerank")
+            raise ValueError(NOT_A_RERANKER)
         return self._rerank_formatter
 
     def make_score_request(self, request_id: str, token_ids: list[int]) -> EngineRequest:
         """A request that prefills ``token_ids`` and reports P(yes) at the last position (reranker)."""
-        self.rerank_formatter  # noqa: B018 (raises when the engine does not score)
+        if self._rerank_formatter is None:
+            raise ValueError(NOT_A_RERANKER)
         if not token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
