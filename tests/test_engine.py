@@ -242,3 +242,61 @@ def test_update_limits_validates_and_applies(tiny_qwen3):
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         engine.update_limits(max_num_batched_tokens=0)
     assert engine.config.max_num_batched_tokens == 2048
+
+
+# -- priority -------------------------------------------------------------------------------------
+
+
+def test_a_better_priority_request_gets_a_seat_at_once_and_the_preempted_output_is_unchanged(folder, alone):
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=32 * 2**20, max_num_seqs=2)
+    engine = llm.engine
+    prompts = mixed_prompts(3)
+    engine.add_request("low0", prompts[0], GREEDY, priority=1)
+    engine.add_request("low1", prompts[1], GREEDY, priority=1)
+    engine.step()
+    engine.step()
+    engine.add_request("high", prompts[2], GREEDY, priority=0)
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.running] == ["high", "low0"]
+    assert [s.request_id for s in engine.scheduler.waiting] == ["low1"]
+    assert engine.scheduler.num_preemptions == 1 == engine.take_iteration_stats().num_preemptions
+    finished = {}
+    while engine.has_unfinished():
+        finished.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
+    assert finished == {"low0": alone[0], "low1": alone[1], "high": alone[2]}
+    assert list(finished).index("high") < list(finished).index("low1")
+    assert_all_blocks_free(llm)
+
+
+def test_priority_must_be_an_int(tiny_qwen3):
+    engine = LLM(model=str(tiny_qwen3), dtype="float32", kv_cache_memory=2**20).engine
+    assert engine.make_request("a", [5, 6], GREEDY, priority=-7).seqs[0].priority == -7
+    with pytest.raises(TypeError, match="priority must be an int, not str"):
+        engine.make_request("b", [5, 6], GREEDY, priority="1")
+
+
+def test_priority_over_http_is_validated_and_reaches_the_engine(tiny_server, monkeypatch):
+    import httpx
+
+    engine = tiny_server.engine
+    seen = []
+    make_request = engine.make_request
+
+    def spy(*args, **kwargs):
+        request = make_request(*args, **kwargs)
+        seen.append(request.priority)
+        return request
+
+    monkeypatch.setattr(engine, "make_request", spy)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "ignore_eos": True}
+    completion = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}
+    for path, body in [("/v1/chat/completions", chat), ("/v1/completions", completion)]:
+        for bad in ["x", 1.5, 2**31, -(2**31) - 1]:
+            response = httpx.post(tiny_server.url + path, json={**body, "priority": bad}, timeout=60)
+            assert response.status_code == 400, response.text
+            assert response.json()["error"]["param"] == "priority"
+        for priority in (-3, None):
+            fields = {} if priority is None else {"priority": priority}
+            response = httpx.post(tiny_server.url + path, json={**body, **fields}, timeout=60)
+            assert response.status_code == 200, response.text
+    assert seen == [-3, 0, -3, 0]

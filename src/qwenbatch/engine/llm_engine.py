@@ -32,6 +32,11 @@ NOT_A_RERANKER = "this model does not score pairs: serve a Qwen3-Reranker, or pa
 SCORE_PARAMS = SamplingParams(temperature=0, max_tokens=1)  # placeholder: score-only sequences never sample
 
 
+def _check_priority(priority: int) -> None:
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TypeError(f"priority must be an int, not {type(priority).__name__}")
+
+
 def kv_cache_budget(setting: int | float | None) -> int:
     """Bytes for the KV pool: as set, a fraction of available memory (checked after loading the weights),
     or by default 4 GiB capped at a quarter of what is available."""
@@ -102,18 +107,30 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: bool = False
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        stream: bool = False,
+        priority: int = 0,
     ) -> None:
         """Validate and queue a request; ValueError when it cannot fit (the message names the numbers)."""
-        self.add(self.make_request(request_id, prompt, params, stream))
+        self.add(self.make_request(request_id, prompt, params, stream, priority))
 
     def make_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: bool = False
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        stream: bool = False,
+        priority: int = 0,
     ) -> EngineRequest:
         """Tokenize and validate a request without touching the queue, so it may run on another thread.
 
         ``stream=True`` makes ``step`` report the request's new tokens every step it samples.
+        ``priority``: lower is served earlier (vLLM's convention); see scheduler.py.
         """
+        _check_priority(priority)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer (dummy weights): pass prompt token ids")
@@ -163,10 +180,13 @@ class LLMEngine:
                 max_tokens,
                 generator,
                 detok,
+                priority=priority,
                 logprobs=[] if params.logprobs is not None else None,
             )
             seqs.append(seq)
-        return EngineRequest(request_id, prompt_text, token_ids, seqs, stream, arrival_time=time.monotonic())
+        return EngineRequest(
+            request_id, prompt_text, token_ids, seqs, stream, priority=priority, arrival_time=time.monotonic()
+        )
 
     @property
     def rerank_formatter(self) -> RerankFormatter:
@@ -175,8 +195,9 @@ class LLMEngine:
             raise ValueError(NOT_A_RERANKER)
         return self._rerank_formatter
 
-    def make_score_request(self, request_id: str, token_ids: list[int]) -> EngineRequest:
+    def make_score_request(self, request_id: str, token_ids: list[int], priority: int = 0) -> EngineRequest:
         """A request that prefills ``token_ids`` and reports P(yes) at the last position (reranker)."""
+        _check_priority(priority)
         if self._rerank_formatter is None:
             raise ValueError(NOT_A_RERANKER)
         if not token_ids:
@@ -187,9 +208,17 @@ class LLMEngine:
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"the pair has {len(token_ids)} tokens; max_model_len is {self.max_model_len}")
         seq = Sequence(
-            next(self._seq_ids), request_id, 0, list(token_ids), len(token_ids), SCORE_PARAMS, 1, score_only=True
+            next(self._seq_ids),
+            request_id,
+            0,
+            list(token_ids),
+            len(token_ids),
+            SCORE_PARAMS,
+            1,
+            priority=priority,
+            score_only=True,
         )
-        return EngineRequest(request_id, None, list(token_ids), [seq], arrival_time=time.monotonic())
+        return EngineRequest(request_id, None, list(token_ids), [seq], priority=priority, arrival_time=time.monotonic())
 
     def add(self, request: EngineRequest) -> None:
         """Queue a request made by ``make_request``."""
@@ -218,7 +247,8 @@ class LLMEngine:
         """Change the batch limits from the next step on (the server's ``POST /config``).
 
         Lowering ``max_num_seqs`` below the running count preempts nothing: the excess finish
-        and no new ones are admitted until the count is below the new limit.
+        and no new ones are admitted until the count is below the new limit (a waiting sequence of
+        better priority than running ones still preempts them, down to the limit, to get a seat).
         """
         changes = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
         changes = {k: v for k, v in changes.items() if v is not None}

@@ -19,6 +19,7 @@ class EngineRequest:
     # True: every step that samples reports the new tokens and text (deltas) as a RequestOutput.
     # False: one RequestOutput when the request has finished, holding everything.
     stream: bool = False
+    priority: int = 0  # every sequence's priority: lower is served earlier
     arrival_time: float = 0.0  # time.monotonic() when it was made
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -30,6 +30,7 @@ class Sequence:
     max_tokens: int  # resolved against max_model_len
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
+    priority: int = 0  # lower is served earlier (vLLM's convention); scheduler.py says how
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

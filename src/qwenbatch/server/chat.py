@@ -63,7 +63,9 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
         body, body.max_completion_tokens or body.max_tokens, top_logprobs if body.logprobs else None
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    request = make_request(engine, request_id, prompt, params, body.stream, body.truncate_prompt_tokens, "messages")
+    request = make_request(
+        engine, request_id, prompt, params, body.stream, body.truncate_prompt_tokens, "messages", body.priority
+    )
     view = _ChatView(
         request_id,
         ctx.model_name,

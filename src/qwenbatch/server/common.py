@@ -119,6 +119,7 @@ def make_request(
     stream: bool,
     truncate_prompt_tokens: int | None,
     param: str,
+    priority: int = 0,
 ) -> EngineRequest:
     """Tokenize (keeping the last ``truncate_prompt_tokens``) and validate; 400 naming ``param``."""
     try:
@@ -128,7 +129,7 @@ def make_request(
                     raise ValueError("this model has no tokenizer (dummy weights): pass prompt token ids")
                 prompt = engine.tokenizer.encode(prompt)
             prompt = prompt[-truncate_prompt_tokens:]
-        return engine.make_request(request_id, prompt, params, stream=stream)
+        return engine.make_request(request_id, prompt, params, stream=stream, priority=priority)
     except ValueError as e:
         raise APIError(400, str(e), param=param) from e
 

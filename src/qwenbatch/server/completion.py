@@ -51,7 +51,9 @@ async def create_completion(body: CompletionRequest, raw: Request):
     base_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = prompt_list(body.prompt)
     requests = [
-        make_request(engine, f"{base_id}-{i}", p, params, body.stream, body.truncate_prompt_tokens, "prompt")
+        make_request(
+            engine, f"{base_id}-{i}", p, params, body.stream, body.truncate_prompt_tokens, "prompt", body.priority
+        )
         for i, p in enumerate(prompts)
     ]
     view = _CompletionView(base_id, ctx.model_name, engine, body.n, body.echo, body.logprobs)

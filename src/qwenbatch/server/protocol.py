@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 NonNegativeInt = Annotated[int, Field(ge=0)]
 MAX_N = 128  # samples per prompt; a bound so one request cannot queue unbounded work
 PositiveInt = Annotated[int, Field(ge=1)]
+# vLLM's request priority: lower is served earlier; a batch job runs at a higher value than interactive requests.
+Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
@@ -73,6 +75,7 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     # Keep only the last N prompt tokens, so one overlong row in a large job need not fail.
     truncate_prompt_tokens: PositiveInt | None = None
+    priority: Priority = 0
 
 
 class ChatCompletionRequest(_SamplingFields):
