@@ -204,7 +204,7 @@ def vocab_size(tiny_server) -> int:
 def guarded(tiny_qwen3):
     """A server with an API key, an admin key and a 4096-byte body limit."""
     settings = ServerSettings(
-        served_model_names=[MODEL], api_key=USER_KEY, admin_api_key=ADMIN_KEY, max_body_bytes=BODY_LIMIT
+        served_model_names=[MODEL], api_keys=[USER_KEY], admin_api_key=ADMIN_KEY, max_body_bytes=BODY_LIMIT
     )
     with RunningServer(settings, engine_config(tiny_qwen3)) as server:
         yield server

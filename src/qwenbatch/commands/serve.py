@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from qwenbatch.commands.engine_args import add_engine_args, engine_config_from_args
 from qwenbatch.config import parse_bytes
@@ -22,9 +23,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     env = os.environ.get
     serve.add_argument("--host", default=env("QWENBATCH_HOST", "127.0.0.1"))
     serve.add_argument("--port", type=int, default=int(env("QWENBATCH_PORT", "8000")))
-    serve.add_argument("--api-key", default=env("QWENBATCH_API_KEY"), help="require this bearer token")
     serve.add_argument(
-        "--admin-api-key", default=env("QWENBATCH_ADMIN_API_KEY"), help="for POST /config (default: --api-key)"
+        "--api-key",
+        action="append",
+        type=str.strip,
+        help="require this bearer token; repeat for several keys, each with its own files and batches "
+        "(default: QWENBATCH_API_KEY, comma-separated)",
+    )
+    serve.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=env("QWENBATCH_API_KEY_FILE"),
+        help="more keys, one a line (blank lines and lines starting with # are skipped)",
+    )
+    serve.add_argument(
+        "--admin-api-key",
+        default=env("QWENBATCH_ADMIN_API_KEY"),
+        help="for POST /config (default: any of the API keys)",
     )
     serve.add_argument(
         "--served-model-name",
@@ -42,7 +57,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-request-body",
         type=parse_bytes,
         default=parse_bytes(env("QWENBATCH_MAX_REQUEST_BODY", "32MiB")),
-        help="largest request body (413 above it)",
+        help="largest request body, uploads to /v1/files aside (413 above it)",
+    )
+    serve.add_argument(
+        "--data-dir",
+        type=Path,
+        default=env("QWENBATCH_DATA_DIR"),
+        help="where /v1/files and /v1/batches keep their files and database (default: <QWENBATCH_CACHE>/server)",
+    )
+    serve.add_argument(
+        "--max-file-bytes",
+        type=parse_bytes,
+        default=parse_bytes(env("QWENBATCH_MAX_FILE_BYTES", "200MB")),
+        help="largest file uploaded to /v1/files (413 above it)",
     )
     serve.add_argument(
         "--shutdown-timeout",
@@ -78,10 +105,12 @@ def run(args: argparse.Namespace) -> int:
 
     settings = ServerSettings(
         served_model_names=names or [],
-        api_key=args.api_key,
+        api_keys=api_keys(args),
         admin_api_key=args.admin_api_key,
         max_waiting_seqs=args.max_waiting_seqs,
         max_body_bytes=args.max_request_body,
+        data_dir=args.data_dir,
+        max_file_bytes=args.max_file_bytes,
         on_fatal=on_fatal,
     )
     app = build_app(settings, config)
@@ -102,3 +131,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"qwenbatch: error: {failures[0]}", file=sys.stderr)
         return 1
     return 0
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """The --api-key values (else QWENBATCH_API_KEY's, comma-separated), then the keys in --api-key-file."""
+    keys = args.api_key or [k.strip() for k in os.environ.get("QWENBATCH_API_KEY", "").split(",") if k.strip()]
+    if args.api_key_file is not None:
+        keys = keys + read_key_file(args.api_key_file)
+    return keys
+
+
+def read_key_file(path: Path) -> list[str]:
+    """One key a line, blank lines and ``#`` comment lines skipped; ValueError if unreadable or empty."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read the API key file {path}: {e.strerror}") from e
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        # An empty file must not silently leave the server open to anyone.
+        raise ValueError(f"the API key file {path} holds no keys")
+    return keys

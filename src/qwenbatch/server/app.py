@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,11 +20,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from qwenbatch.config import EngineConfig
 from qwenbatch.engine.async_engine import AsyncEngine, EngineNotReadyError, EngineState
 from qwenbatch.engine.llm_engine import LLMEngine
-from qwenbatch.server import chat, completion, rerank
+from qwenbatch.loader.default_model import cache_root
+from qwenbatch.server import chat, completion, files, rerank
 from qwenbatch.server.common import APIError, ClientDisconnected, OrjsonResponse, ServerContext, unavailable
 from qwenbatch.server.guard import GuardMiddleware
 from qwenbatch.server.metrics import ServerMetrics
 from qwenbatch.server.protocol import ConfigUpdate
+from qwenbatch.server.storage import BatchStore
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +36,14 @@ class ServerSettings:
     """Server-side settings (the engine's are in EngineConfig)."""
 
     served_model_names: list[str] = field(default_factory=list)  # default: the --model value
-    api_key: str | None = None  # required on every route but /health when set
-    admin_api_key: str | None = None  # for POST /config; default: the api_key
+    # With any, every route but /health needs one of them; each key is its own owner of files and batches.
+    api_keys: list[str] = field(default_factory=list)
+    admin_api_key: str | None = None  # for POST /config (and a key like the others); default: any of api_keys
     max_waiting_seqs: int = 4096  # more waiting than this and new requests get 503 + Retry-After
-    max_body_bytes: int = 32 * 2**20
+    max_body_bytes: int = 32 * 2**20  # for every body but an upload to /v1/files
+    data_dir: Path | None = None  # the files and batches (storage.BatchStore); default: <cache>/server
+    max_file_bytes: int = 200 * 10**6  # largest file uploaded to /v1/files (OpenAI's limit)
+    max_batch_requests: int = 50_000  # most requests in one batch's input file (OpenAI's limit)
     on_fatal: Callable[[BaseException], None] | None = None  # called if the engine cannot load or dies
 
     def __post_init__(self) -> None:
@@ -43,6 +51,12 @@ class ServerSettings:
             raise ValueError(f"max_waiting_seqs must be >= 1, got {self.max_waiting_seqs}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.max_file_bytes < 1:
+            raise ValueError(f"max_file_bytes must be >= 1, got {self.max_file_bytes}")
+        if self.max_batch_requests < 1:
+            raise ValueError(f"max_batch_requests must be >= 1, got {self.max_batch_requests}")
+        if any(not key or key != key.strip() for key in self.api_keys):
+            raise ValueError("an API key must be non-empty and have no surrounding whitespace")
 
 
 def build_app(
@@ -63,13 +77,23 @@ def build_app(
     app = FastAPI(title="qwenbatch", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ServerContext(engine, names)
     app.state.metrics = metrics
-    # With an api_key every route but /health needs a key; the admin key is accepted there too.
-    keys = tuple(k for k in (settings.api_key, settings.admin_api_key) if k) if settings.api_key else ()
-    app.add_middleware(GuardMiddleware, api_keys=keys, max_body_bytes=settings.max_body_bytes)
+    app.state.settings = settings
+    app.state.store = BatchStore(settings.data_dir or cache_root() / "server")
+    # With api_keys every route but /health needs a key; the admin key is accepted there too.
+    keys = list(settings.api_keys)
+    if keys and settings.admin_api_key:
+        keys.append(settings.admin_api_key)
+    app.add_middleware(
+        GuardMiddleware,
+        api_keys=keys,
+        max_body_bytes=settings.max_body_bytes,
+        max_file_bytes=settings.max_file_bytes,
+    )
     _add_error_handlers(app)
     app.include_router(chat.router)
     app.include_router(completion.router)
     app.include_router(rerank.router)
+    app.include_router(files.router)
     _add_routes(app, settings, names, metrics)
     return app
 
@@ -107,14 +131,15 @@ _UNION_BRANCHES = {
 
 
 def _param_path(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
     parts = [p for p in parts if p not in _UNION_BRANCHES and "[" not in p]
     return ".".join(parts) or None
 
 
 def _add_routes(app: FastAPI, settings: ServerSettings, names: list[str], metrics: ServerMetrics) -> None:
     ctx: ServerContext = app.state.ctx
-    admin_key = settings.admin_api_key or settings.api_key
+    # Without an admin key every API key may change the config, as the one key could before there were several.
+    admin_keys = [k.encode() for k in ([settings.admin_api_key] if settings.admin_api_key else settings.api_keys)]
     created = int(time.time())
 
     @app.get("/health")
@@ -142,7 +167,8 @@ def _add_routes(app: FastAPI, settings: ServerSettings, names: list[str], metric
 
     @app.post("/config")
     async def post_config(update: ConfigUpdate, request: Request):
-        if admin_key and request.headers.get("authorization", "").partition(" ")[2].strip() != admin_key:
+        token = request.headers.get("authorization", "").partition(" ")[2].strip().encode()
+        if admin_keys and not any(hmac.compare_digest(token, key) for key in admin_keys):
             raise APIError(403, "changing the config needs the admin API key", "permission_error")
         try:
             await ctx.engine.update_limits(**update.model_dump(exclude_none=True))

@@ -1,4 +1,4 @@
-"""ASGI middleware in front of every route: API-key check and request-body size limit.
+"""ASGI middleware in front of every route: API-key check, caller identity and request-body size limits.
 
 Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would wrap streaming responses
 and hide client disconnects from the endpoints.
@@ -6,12 +6,29 @@ and hide client disconnects from the endpoints.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+from collections.abc import Sequence
 
 import orjson
+from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 OPEN_PATHS = frozenset({"/health"})
+UPLOAD_PATHS = frozenset({"/v1/files"})  # POSTs here are streamed through, held to max_file_bytes
+# Room for the multipart framing and the small form fields around the file; the route holds the file
+# itself to max_file_bytes exactly.
+MULTIPART_SLACK_BYTES = 64 * 2**10
+
+
+def owner_id(api_key: str) -> str:
+    """The identity rows made with ``api_key`` are stored under: a hash prefix, so no key is ever stored."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+def owner_of(request: Request) -> str:
+    """The identity the guard authenticated this request as ("" on a server without API keys)."""
+    return request.scope["state"]["owner"]
 
 
 async def send_error(send: Send, status: int, message: str, type: str, code: str) -> None:
@@ -24,28 +41,50 @@ async def send_error(send: Send, status: int, message: str, type: str, code: str
 
 
 class GuardMiddleware:
-    """401 without ``Authorization: Bearer <api_key>`` (when a key is set) on all but /health;
-    413 for a body over ``max_body_bytes``, read in full here so the limit holds without a
-    Content-Length too."""
+    """401 without ``Authorization: Bearer <one of api_keys>`` (when there are keys) on all but /health,
+    else the caller's identity in ``scope["state"]["owner"]`` (see ``owner_of``); 413 for a body over
+    ``max_body_bytes``, read in full here so the limit holds without a Content-Length too. An upload to
+    /v1/files is instead passed through as it arrives and cut off past ``max_file_bytes``."""
 
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str], max_body_bytes: int, max_file_bytes: int) -> None:
         self.app = app
-        self.api_keys = tuple(k.encode() for k in api_keys)
+        self.keys = tuple((key.encode(), owner_id(key)) for key in api_keys)
         self.max_body_bytes = max_body_bytes
+        self.max_file_bytes = max_file_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.api_keys and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+        owner = self._owner(scope)
+        if owner is None and scope["path"] not in OPEN_PATHS:
             await send_error(send, 401, "invalid or missing API key", "authentication_error", "invalid_api_key")
             return
+        if owner is not None:
+            scope.setdefault("state", {})["owner"] = owner
         if scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
-            return
+        elif scope["method"] == "POST" and scope["path"] in UPLOAD_PATHS:
+            await self._pass_upload(scope, receive, send)
+        else:
+            await self._pass_buffered(scope, receive, send)
+
+    def _owner(self, scope: Scope) -> str | None:
+        """The identity of the request's key; "" when there are no keys; None when it has no valid key."""
+        if not self.keys:
+            return ""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    token = token.strip()
+                    return next((owner for key, owner in self.keys if hmac.compare_digest(token, key)), None)
+        return None
+
+    async def _pass_buffered(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = _content_length(scope)
         if declared is not None and declared > self.max_body_bytes:
-            await self._too_large(send, declared)
+            await self._body_too_large(send, declared)
             return
         chunks, size = [], 0
         while True:
@@ -55,23 +94,48 @@ class GuardMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                await self._too_large(send, size)
+                await self._body_too_large(send, size)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
-    def _authorized(self, scope: Scope) -> bool:
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if scheme.lower() == b"bearer":
-                    return any(hmac.compare_digest(token.strip(), key) for key in self.api_keys)
-        return False
+    async def _pass_upload(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Stream the body to the app (which spools the file to disk); past the limit, answer 413 here and
+        let the app see a disconnect, dropping whatever it sends after. Cut off here rather than in the
+        route, because the form is parsed, and the file spooled in full, before the route runs."""
+        limit = self.max_file_bytes + MULTIPART_SLACK_BYTES
+        declared = _content_length(scope)
+        if declared is not None and declared > limit:
+            await self._upload_too_large(send, declared)
+            return
+        size, cut_off = 0, False
 
-    async def _too_large(self, send: Send, size: int) -> None:
+        async def counting_receive() -> Message:
+            nonlocal size, cut_off
+            if cut_off:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            size += len(message.get("body", b""))
+            if size > limit:
+                cut_off = True
+                await self._upload_too_large(send, size)
+                return {"type": "http.disconnect"}
+            return message
+
+        async def send_unless_cut_off(message: Message) -> None:
+            if not cut_off:
+                await send(message)
+
+        await self.app(scope, counting_receive, send_unless_cut_off)
+
+    async def _body_too_large(self, send: Send, size: int) -> None:
         message = f"the request body has {size} bytes or more; the limit is {self.max_body_bytes}"
+        await send_error(send, 413, message, "invalid_request_error", "request_too_large")
+
+    async def _upload_too_large(self, send: Send, size: int) -> None:
+        message = f"the upload has {size} bytes or more; the limit for a file is {self.max_file_bytes} bytes"
         await send_error(send, 413, message, "invalid_request_error", "request_too_large")
 
 
