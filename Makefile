@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[server,dev]'
+	$(PY) -m pip install -q -e '.[server,tune,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)

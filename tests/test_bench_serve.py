@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from qwenbatch.bench.serving import check_loopback, percentile
+from qwenbatch.bench.serving import check_loopback
+from qwenbatch.bench.stats import percentile
 from qwenbatch.cli import main
 
 

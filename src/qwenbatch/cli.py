@@ -1,4 +1,4 @@
-"""The ``qwenbatch`` command line: ``generate | serve | run-batch | rerank | bench``."""
+"""The ``qwenbatch`` command line: ``generate | serve | run-batch | rerank | bench | tune``."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import argparse
 import logging
 import sys
 
-from qwenbatch.commands import bench, generate, rerank, run_batch, serve
+from qwenbatch.commands import bench, generate, rerank, run_batch, serve, tune
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwenbatch", description="Batch inference for Qwen models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (generate, serve, run_batch, rerank, bench):
+    for command in (generate, serve, run_batch, rerank, bench, tune):
         command.add_parser(sub)
     return parser
 

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 
@@ -135,3 +136,27 @@ class EngineConfig:
                 values[f.name] = raw
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def read_config_file(path: Path) -> dict:
+    """The ``[engine]`` table of a qwenbatch.toml as EngineConfig values; ValueError naming a bad key or value."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {path}: not valid TOML ({e})") from None
+    unknown_tables = set(data) - {"engine"}
+    if unknown_tables:
+        raise ValueError(f"--config {path}: unknown table(s) {', '.join(sorted(unknown_tables))} (expected [engine])")
+    engine = data.get("engine", {})
+    known = {f.name for f in fields(EngineConfig)}
+    for key in engine:
+        if key not in known:
+            raise ValueError(f"--config {path}: unknown engine setting {key!r} (known: {', '.join(sorted(known))})")
+    if isinstance(engine.get("kv_cache_memory"), str):
+        engine["kv_cache_memory"] = parse_kv_cache_memory(engine["kv_cache_memory"])
+    return engine

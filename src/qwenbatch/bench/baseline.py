@@ -22,6 +22,7 @@ class StaticRun:
     prompt_tokens: int
     output_tokens: int  # tokens the requests asked for
     computed_tokens: int  # tokens the static batches computed, padding included
+    latencies: list[float]  # per request, seconds from the start to the end of its batch
 
     @property
     def output_tps(self) -> float:
@@ -34,6 +35,14 @@ def load_hf_model(folder: Path, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
 
 
+def pad_token_id(model) -> int:
+    """The model's pad id, else its (first) eos id: what left padding fills with."""
+    if model.config.pad_token_id is not None:
+        return model.config.pad_token_id
+    eos = model.config.eos_token_id
+    return eos[0] if isinstance(eos, list) else (eos or 0)
+
+
 def run_static(model, requests: list[BenchRequest], batch_size: int, pad_id: int) -> StaticRun:
     """Generate every request's output_len tokens in length-sorted static batches.
 
@@ -43,6 +52,7 @@ def run_static(model, requests: list[BenchRequest], batch_size: int, pad_id: int
     order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_token_ids))
     start = time.perf_counter()
     computed = 0
+    latencies = []
     for b in range(0, len(order), batch_size):
         batch = [requests[i] for i in order[b : b + batch_size]]
         width = max(len(r.prompt_token_ids) for r in batch)
@@ -63,12 +73,14 @@ def run_static(model, requests: list[BenchRequest], batch_size: int, pad_id: int
                 eos_token_id=None,
             )
         computed += len(batch) * (width + new_tokens)
+        latencies += [time.perf_counter() - start] * len(batch)
     return StaticRun(
         batch_size,
         time.perf_counter() - start,
         sum(len(r.prompt_token_ids) for r in requests),
         sum(r.output_len for r in requests),
         computed,
+        latencies,
     )
 
 

@@ -19,6 +19,8 @@ from urllib.parse import urlparse
 import httpx
 import orjson
 
+from qwenbatch.bench.stats import percentile
+
 
 @dataclass
 class RequestTiming:
@@ -158,17 +160,6 @@ async def run_chat_batch(
         else:
             timings = [await stream_chat(client, model, p, max_tokens) for p in prompts]
         return time.perf_counter() - started, list(timings)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100) with linear interpolation, as numpy's default."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    k = (len(ordered) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def summarize(wall: float, timings: list[RequestTiming]) -> dict:

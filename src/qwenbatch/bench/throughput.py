@@ -55,7 +55,7 @@ def run_ours(config: EngineConfig, requests: list[BenchRequest], llm=None) -> tu
         llm = llm or LLM(**vars(config))
         bm = llm.engine.block_manager
         hits0, queries0, preempt0 = bm.prefix_cache_hits, bm.prefix_cache_queries, llm.engine.scheduler.num_preemptions
-        params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+        params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=r.ignore_eos) for r in requests]
         start = time.perf_counter()
         outputs = list(
             llm.generate_iter([r.prompt_token_ids for r in requests], params, use_tqdm=True, total=len(requests))
@@ -83,15 +83,12 @@ def run_ours(config: EngineConfig, requests: list[BenchRequest], llm=None) -> tu
 
 def run_transformers(config: EngineConfig, requests: list[BenchRequest], sizes: list[int]) -> SystemResult:
     """The baseline at its best batch size of a sweep over ``sizes``."""
-    from qwenbatch.bench.baseline import best_batch_size, load_hf_model, run_static
+    from qwenbatch.bench.baseline import best_batch_size, load_hf_model, pad_token_id, run_static
     from qwenbatch.loader import resolve_model_dir
 
     with PeakRSS() as rss:
         model = load_hf_model(resolve_model_dir(config.model), config.torch_dtype)
-        pad_id = model.config.pad_token_id
-        if pad_id is None:
-            eos = model.config.eos_token_id
-            pad_id = eos[0] if isinstance(eos, list) else (eos or 0)
+        pad_id = pad_token_id(model)
         best, sweep = best_batch_size(model, requests, sizes, pad_id)
         run = run_static(model, requests, best, pad_id)
     del model

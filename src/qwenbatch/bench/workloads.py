@@ -62,7 +62,8 @@ def serve_workload(num_prompts: int, max_tokens: int) -> list[tuple[str, dict]]:
 @dataclass(frozen=True)
 class BenchRequest:
     prompt_token_ids: list[int]
-    output_len: int
+    output_len: int  # tokens to generate (with ignore_eos), or at most (without)
+    ignore_eos: bool = True  # synthetic workloads generate exactly output_len; real requests stop at eos
 
 
 def _tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import fields
+from pathlib import Path
 
-from qwenbatch.config import EngineConfig, parse_kv_cache_memory
+from qwenbatch.config import EngineConfig, parse_kv_cache_memory, read_config_file
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The flags every sub-command that loads a model takes (vLLM's names)."""
+def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> None:
+    """The flags every sub-command that loads a model takes (vLLM's names); ``sweep``: all but the batch
+    limits, which ``tune`` takes as lists."""
     g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="a qwenbatch.toml (as qwenbatch tune writes): its [engine] settings, under any flag given",
+    )
     g.add_argument(
         "--model",
         default=None,
@@ -30,8 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="weights and activations (auto: bfloat16, the fast dtype on CPU)",
     )
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    if not sweep:
+        g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step")
+        g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block")
     g.add_argument(
         "--enable-prefix-caching",
@@ -56,11 +65,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from flags, falling back to QWENBATCH_* environment variables, then defaults.
+    """EngineConfig from flags, then the ``--config`` file, then QWENBATCH_* environment variables, then defaults.
 
     Every EngineConfig field that has a flag of the same name is taken from it, so a new field
     needs only its flag.
     """
-    return EngineConfig.from_env(
-        **{f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
-    )
+    flags = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if getattr(args, f.name, None) is not None}
+    from_file = read_config_file(args.config) if getattr(args, "config", None) else {}
+    return EngineConfig.from_env(**{**from_file, **flags})
