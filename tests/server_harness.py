@@ -1,11 +1,15 @@
-"""A real uvicorn server on a loopback port, in a background thread, for the server tests."""
+"""Servers for the tests: a real uvicorn server in a background thread, or `qwenbatch serve` in a subprocess."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -62,3 +66,44 @@ class RunningServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(60)
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout: float = 30.0, interval: float = 0.05):
+    """Poll ``condition`` until it returns something truthy (returned); fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+@contextmanager
+def serve_process(
+    model: Path, log: Path, *flags: str, served_model_name: str = "tiny"
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``qwenbatch serve`` in a subprocess, healthy; killed on the way out if it is still running."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "qwenbatch.cli", "serve", "--model", str(model), "--dtype", "float32"]
+    cmd += ["--kv-cache-memory", "16MiB", "--served-model-name", served_model_name, "--port", str(port), *flags]
+    url = f"http://127.0.0.1:{port}"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+
+            def healthy() -> bool:
+                if proc.poll() is not None:
+                    raise AssertionError(f"qwenbatch serve exited with {proc.returncode}:\n{log.read_text()}")
+                try:
+                    return httpx.get(url + "/health", timeout=5).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            wait_for(healthy, "qwenbatch serve to become healthy", timeout=120, interval=0.1)
+            yield proc, url
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(30)

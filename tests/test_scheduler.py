@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qwenbatch.engine.block_manager import BlockManager
-from qwenbatch.engine.scheduler import Scheduler
+from qwenbatch.engine.scheduler import BACKGROUND_MIN_TOKENS, Scheduler
 from qwenbatch.engine.sequence import Sequence, SequenceStatus
 from qwenbatch.sampling_params import SamplingParams
 
@@ -146,6 +146,23 @@ def test_a_full_batch_makes_room_for_a_better_priority_but_not_for_an_equal_one(
     assert sched.num_preemptions == 1 and new.status is SequenceStatus.WAITING
     assert [s.seq_id for s in sched.waiting] == [1, 2]
     assert new.num_output_tokens == 2 and new.block_table == []
+
+
+def test_worse_classes_run_in_the_background_of_the_best_one():
+    sched = Scheduler(BlockManager(512, 4), max_num_seqs=64, max_num_batched_tokens=1000)
+    batch = [make_seq(i, 4, max_tokens=50, priority=1) for i in range(40)]
+    for seq in batch:
+        sched.add(seq)
+    run_step(sched)  # 40 prefills of 4 tokens, the whole budget theirs
+    assert len(run_step(sched)) == 40  # alone, every batch sequence decodes each step
+    sched.add(make_seq(100, 30, max_tokens=50, priority=0))
+    step = run_step(sched)
+    assert step[0] == (100, 30)  # the interactive prefill first...
+    assert sum(n for sid, n in step[1:]) == 30  # ...and the background gets as many tokens as it used
+    step = run_step(sched)
+    assert step[0] == (100, 1) and len(step) == 1 + BACKGROUND_MIN_TOKENS  # a decode: the minimum
+    sched.finish(sched.running[0])
+    assert len(run_step(sched)) == 40  # the interactive request gone, the batch has the whole budget again
 
 
 def test_a_better_priority_preempts_for_blocks_until_it_fits():

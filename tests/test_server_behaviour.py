@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from qwenbatch.config import EngineConfig
 from qwenbatch.engine.llm_engine import LLMEngine
 from qwenbatch.server.app import ServerSettings
-from server_harness import RunningServer, free_port
+from server_harness import RunningServer, free_port, serve_process, wait_for
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 1024  # the tiny checkpoint's context length
@@ -96,18 +95,6 @@ def assert_serving(url: str, headers: dict | None = None) -> None:
     assert body["usage"]["completion_tokens"] == 3
 
 
-def wait_for(condition: Callable[[], object], what: str, timeout: float = WAIT_S, interval: float = 0.05):
-    """Poll ``condition`` until it returns something truthy (returned); fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
-
-
 def scrape(url: str, headers: dict | None = None) -> dict[str, float]:
     """Every /metrics sample by name without the ``qwenbatch:`` prefix and the model_name label,
     e.g. ``generation_tokens_total`` or ``request_success_total{finished_reason="abort"}``."""
@@ -158,33 +145,6 @@ def token_ids(n: int, seed: int, vocab: int = 400) -> list[int]:
 
 def engine_config(model: Path, **fields) -> EngineConfig:
     return EngineConfig(model=str(model), dtype="float32", kv_cache_memory=2**24, **fields)
-
-
-@contextmanager
-def serve_process(model: Path, log: Path, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    """``qwenbatch serve`` in a subprocess, healthy; killed on the way out if it is still running."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "qwenbatch.cli", "serve", "--model", str(model), "--dtype", "float32"]
-    cmd += ["--kv-cache-memory", "16MiB", "--served-model-name", MODEL, "--port", str(port), *flags]
-    url = f"http://127.0.0.1:{port}"
-    with log.open("w") as stderr:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
-        try:
-
-            def healthy() -> bool:
-                if proc.poll() is not None:
-                    raise AssertionError(f"qwenbatch serve exited with {proc.returncode}:\n{log.read_text()}")
-                try:
-                    return httpx.get(url + "/health", timeout=5).status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            wait_for(healthy, "qwenbatch serve to become healthy", timeout=120, interval=0.1)
-            yield proc, url
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(30)
 
 
 # -- fixtures ---------------------------------------------------------------------------------------

@@ -51,7 +51,9 @@ class InProcessBackend:
         from qwenbatch.server.app import ServerSettings, build_app
 
         # The queue bound is the job's own in-flight limit; bodies are as large as a line.
-        settings = ServerSettings(served_model_names=["batch"], max_waiting_seqs=2**31, max_body_bytes=2**31)
+        settings = ServerSettings(
+            served_model_names=["batch"], max_waiting_seqs=2**31, max_body_bytes=2**31, batch_api=False
+        )
         self.app = build_app(settings, engine_config)
         # Enough requests in flight to keep every batch slot busy, few enough to keep memory flat.
         self.capacity = lookahead or 2 * engine_config.max_num_seqs

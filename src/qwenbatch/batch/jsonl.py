@@ -41,6 +41,7 @@ class BatchLine:
     error_code: str | None = None
     error_message: str | None = None
     occurrence: int = 0  # how many earlier lines had the same custom_id
+    number: int = 0  # 1-based line number in the file (blank lines counted)
 
     @property
     def valid(self) -> bool:
@@ -65,6 +66,7 @@ def parse_lines(
         if not text:
             continue
         line = _parse_one(text, number, index, input_format, endpoints, prompt_url)
+        line.number = number
         if line.valid and defaults:
             line.body = {**defaults, **line.body}
         line.occurrence = seen[line.custom_id]

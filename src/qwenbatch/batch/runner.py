@@ -11,7 +11,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,8 +89,15 @@ def scan(path: Path, options: BatchOptions) -> tuple[int, int]:
     return total, valid
 
 
-async def run_batch(input_path: Path, output_path: Path, backend: Backend, options: BatchOptions) -> BatchSummary:
-    """Run every line of ``input_path`` not yet in ``output_path`` through ``backend``."""
+async def run_batch(
+    input_path: Path,
+    output_path: Path,
+    backend: Backend,
+    options: BatchOptions,
+    on_result: Callable[[dict], None] | None = None,
+) -> BatchSummary:
+    """Run every line of ``input_path`` not yet in ``output_path`` through ``backend``; ``on_result`` is
+    called with each result line once it is safely in the output."""
     summary = BatchSummary()
     summary.total, _ = scan(input_path, options)
     log = ResultLog(output_path)
@@ -113,7 +120,9 @@ async def run_batch(input_path: Path, output_path: Path, backend: Backend, optio
         def finished(result: dict, tokens: tuple[int, int]) -> None:
             nonlocal last_log
             log.write(result)
-            ok = result["error"] is None and result["response"]["status_code"] == 200
+            if on_result is not None:
+                on_result(result)
+            ok = succeeded(result)
             summary.ok += ok
             summary.failed += not ok
             summary.prompt_tokens += tokens[0]
@@ -163,6 +172,11 @@ async def run_batch(input_path: Path, output_path: Path, backend: Backend, optio
             output_path, ((line.custom_id, line.occurrence) for line in read_lines(input_path, options))
         )
     return summary
+
+
+def succeeded(result: dict) -> bool:
+    """Whether a result line is an answer (status 200) rather than an error."""
+    return result["error"] is None and result["response"]["status_code"] == 200
 
 
 def _forget_if_ok(tasks: set[asyncio.Task]):

@@ -19,6 +19,11 @@ never of equal priority, so with one priority everything is first come, first se
 After a preemption for blocks nothing more is admitted in that step; after one for a better-priority
 sequence, nothing of the victim's priority or lower, so a victim is not readmitted at once.
 
+Worse classes run in the background of the best one: together they get at most as many tokens in a
+step as the best class used (and at least BACKGROUND_MIN_TOKENS), so on a compute-bound CPU, where a
+step takes time in proportion to its tokens, a batch job cannot make an interactive request's steps
+much slower; with no better class present a class has the whole budget.
+
 Cost of a step, for R running and W waiting sequences in C priority classes: O(R * C + C log C) to
 list the classes (waiting sequences are counted per priority, not scanned) and visit the running
 ones; per admission, a scan of the waiting queue up to the class's first sequence (the head when all
@@ -71,6 +76,11 @@ class _Step:
         self.budget -= n
 
 
+# While sequences of a better class are scheduled, the worse classes together get at most as many
+# tokens as the best class used, and at least this many: a step's time on a CPU grows with its tokens,
+# so a background batch job may not slow an interactive request's steps by more than about two times.
+BACKGROUND_MIN_TOKENS = 16
+
 # Above this many waiting sequences of a class, ordering by cached prefix costs more than it saves.
 PREFIX_ORDER_MAX_WAITING = 64
 
@@ -97,7 +107,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """This step's batch: each priority class, best first, its running then its waiting sequences."""
         step = _Step(SchedulerOutput(), self.max_num_batched_tokens)
-        for priority in sorted({seq.priority for seq in self.running} | self._num_waiting.keys()):
+        for rank, priority in enumerate(sorted({seq.priority for seq in self.running} | self._num_waiting.keys())):
+            if rank == 1:  # the worse classes run in the background of the best one
+                used = self.max_num_batched_tokens - step.budget
+                step.budget = min(step.budget, max(BACKGROUND_MIN_TOKENS, used))
             self._schedule_running(step, priority)
             self._admit_waiting(step, priority)
         return step.out

@@ -21,7 +21,8 @@ from qwenbatch.config import EngineConfig
 from qwenbatch.engine.async_engine import AsyncEngine, EngineNotReadyError, EngineState
 from qwenbatch.engine.llm_engine import LLMEngine
 from qwenbatch.loader.default_model import cache_root
-from qwenbatch.server import chat, completion, files, rerank
+from qwenbatch.server import batches, chat, completion, files, rerank
+from qwenbatch.server.batch_worker import BatchWorker
 from qwenbatch.server.common import APIError, ClientDisconnected, OrjsonResponse, ServerContext, unavailable
 from qwenbatch.server.guard import GuardMiddleware
 from qwenbatch.server.metrics import ServerMetrics
@@ -44,6 +45,7 @@ class ServerSettings:
     data_dir: Path | None = None  # the files and batches (storage.BatchStore); default: <cache>/server
     max_file_bytes: int = 200 * 10**6  # largest file uploaded to /v1/files (OpenAI's limit)
     max_batch_requests: int = 50_000  # most requests in one batch's input file (OpenAI's limit)
+    batch_api: bool = True  # /v1/files and /v1/batches, and the worker running the batches
     on_fatal: Callable[[BaseException], None] | None = None  # called if the engine cannot load or dies
 
     def __post_init__(self) -> None:
@@ -68,17 +70,29 @@ def build_app(
     factory = engine_factory or (lambda: LLMEngine(engine_config))
     engine = AsyncEngine(factory, settings.max_waiting_seqs, on_stats=metrics.record, on_fatal=settings.on_fatal)
 
+    worker: BatchWorker | None = None
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        if worker is not None:
+            worker.start()
         yield
+        if worker is not None:
+            await worker.stop()
         engine.stop()
 
     app = FastAPI(title="qwenbatch", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ServerContext(engine, names)
     app.state.metrics = metrics
     app.state.settings = settings
-    app.state.store = BatchStore(settings.data_dir or cache_root() / "server")
+    if settings.batch_api:
+        app.state.store = BatchStore(settings.data_dir or cache_root() / "server")
+        # Batch lines in flight: enough to fill every batch slot, few enough to leave the waiting queue
+        # (and, with priority, the seats) to interactive requests.
+        capacity = max(1, min(2 * engine_config.max_num_seqs, settings.max_waiting_seqs // 2))
+        worker = BatchWorker(app, app.state.store, capacity, settings.max_batch_requests)
+        app.state.batch_worker = worker
     # With api_keys every route but /health needs a key; the admin key is accepted there too.
     keys = list(settings.api_keys)
     if keys and settings.admin_api_key:
@@ -88,12 +102,15 @@ def build_app(
         api_keys=keys,
         max_body_bytes=settings.max_body_bytes,
         max_file_bytes=settings.max_file_bytes,
+        internal_token=worker.token if worker else None,
     )
     _add_error_handlers(app)
     app.include_router(chat.router)
     app.include_router(completion.router)
     app.include_router(rerank.router)
-    app.include_router(files.router)
+    if settings.batch_api:
+        app.include_router(files.router)
+        app.include_router(batches.router)
     _add_routes(app, settings, names, metrics)
     return app
 

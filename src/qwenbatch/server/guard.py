@@ -19,6 +19,7 @@ UPLOAD_PATHS = frozenset({"/v1/files"})  # POSTs here are streamed through, held
 # Room for the multipart framing and the small form fields around the file; the route holds the file
 # itself to max_file_bytes exactly.
 MULTIPART_SLACK_BYTES = 64 * 2**10
+INTERNAL_OWNER_HEADER = b"x-qwenbatch-owner"
 
 
 def owner_id(api_key: str) -> str:
@@ -46,9 +47,19 @@ class GuardMiddleware:
     ``max_body_bytes``, read in full here so the limit holds without a Content-Length too. An upload to
     /v1/files is instead passed through as it arrives and cut off past ``max_file_bytes``."""
 
-    def __init__(self, app: ASGIApp, api_keys: Sequence[str], max_body_bytes: int, max_file_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_keys: Sequence[str],
+        max_body_bytes: int,
+        max_file_bytes: int,
+        internal_token: str | None = None,
+    ) -> None:
         self.app = app
         self.keys = tuple((key.encode(), owner_id(key)) for key in api_keys)
+        # The batch worker's own requests (through an in-memory transport; the token never leaves the
+        # process) carry it, and name the owner of their batch in INTERNAL_OWNER_HEADER.
+        self.internal_token = internal_token.encode() if internal_token else None
         self.max_body_bytes = max_body_bytes
         self.max_file_bytes = max_file_bytes
 
@@ -71,15 +82,16 @@ class GuardMiddleware:
 
     def _owner(self, scope: Scope) -> str | None:
         """The identity of the request's key; "" when there are no keys; None when it has no valid key."""
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        token = token.strip() if scheme.lower() == b"bearer" else b""
+        if self.internal_token and token and hmac.compare_digest(token, self.internal_token):
+            return headers.get(INTERNAL_OWNER_HEADER, b"").decode()
         if not self.keys:
             return ""
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if scheme.lower() == b"bearer":
-                    token = token.strip()
-                    return next((owner for key, owner in self.keys if hmac.compare_digest(token, key)), None)
-        return None
+        if not token:
+            return None
+        return next((owner for key, owner in self.keys if hmac.compare_digest(token, key)), None)
 
     async def _pass_buffered(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = _content_length(scope)

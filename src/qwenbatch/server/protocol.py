@@ -116,6 +116,7 @@ class RerankRequest(_Request):
     """vLLM's and Jina's /rerank: one query against many documents."""
 
     model: str | None = None
+    priority: Priority = 0
     query: NonEmptyStr
     documents: Annotated[list[str | RerankDocument], Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS)]
     top_n: PositiveInt | None = None
@@ -127,10 +128,25 @@ class ScoreRequest(_Request):
     """vLLM's /score: text_1 against text_2, one to one or one to many."""
 
     model: str | None = None
+    priority: Priority = 0
     text_1: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS)]
     # Documents may be empty strings (they score low), as in /rerank; queries may not.
     text_2: NonEmptyStr | Annotated[list[str], Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS)]
     instruction: str | None = None
+
+
+# OpenAI's metadata limits: 16 pairs, keys up to 64 characters, values up to 512.
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
+
+
+class CreateBatchRequest(_Request):
+    """``POST /v1/batches``."""
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
 
 
 class ConfigUpdate(_Request):

@@ -23,14 +23,14 @@ def _formatter(engine: LLMEngine) -> RerankFormatter:
 
 
 def _score_requests(
-    engine: LLMEngine, base_id: str, pairs: list[tuple[str, str]], instruction: str | None
+    engine: LLMEngine, base_id: str, pairs: list[tuple[str, str]], instruction: str | None, priority: int
 ) -> tuple[list[EngineRequest], list[int]]:
     formatter = _formatter(engine)
     requests, truncated = [], []
     for i, (query, document) in enumerate(pairs):
         prompt = formatter.build(query, document, instruction)
         try:
-            requests.append(engine.make_score_request(f"{base_id}-{i}", prompt.token_ids))
+            requests.append(engine.make_score_request(f"{base_id}-{i}", prompt.token_ids, priority=priority))
         except ValueError as e:
             raise APIError(400, f"pair {i}: {e}", param="documents") from e
         truncated.append(prompt.truncated_tokens)
@@ -44,7 +44,9 @@ async def rerank(body: RerankRequest, raw: Request):
     engine = ctx.admit(body.model)
     documents = [d if isinstance(d, str) else d.text for d in body.documents]
     base_id = f"rerank-{uuid.uuid4().hex}"
-    requests, truncated = _score_requests(engine, base_id, [(body.query, d) for d in documents], body.instruction)
+    requests, truncated = _score_requests(
+        engine, base_id, [(body.query, d) for d in documents], body.instruction, body.priority
+    )
     outputs = await collect([ctx.engine.generate(r) for r in requests], raw)
     order = sorted(range(len(outputs)), key=lambda i: -outputs[i].score)
     if body.top_n is not None:
@@ -76,7 +78,9 @@ async def score(body: ScoreRequest, raw: Request):
         message = f"text_1 has {len(firsts)} items and text_2 {len(seconds)}: give one or as many"
         raise APIError(400, message, param="text_1")
     base_id = f"score-{uuid.uuid4().hex}"
-    requests, _ = _score_requests(engine, base_id, list(zip(firsts, seconds, strict=True)), body.instruction)
+    requests, _ = _score_requests(
+        engine, base_id, list(zip(firsts, seconds, strict=True)), body.instruction, body.priority
+    )
     outputs = await collect([ctx.engine.generate(r) for r in requests], raw)
     data = [{"index": i, "object": "score", "score": out.score} for i, out in enumerate(outputs)]
     total = sum(len(r.prompt_token_ids) for r in requests)

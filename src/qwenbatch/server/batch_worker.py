@@ -1,0 +1,300 @@
+"""The Batch API's worker: runs stored batches through this server's own engine, at a lower priority.
+
+A batch goes ``validating`` → ``in_progress`` → ``finalizing`` → ``completed`` (or ``failed`` at
+validation, ``cancelling`` → ``cancelled``, ``expired``). Each state is in the store before the work
+of the next begins, so a server killed anywhere resumes where it stopped:
+
+- validating: the input file is checked line by line (every error reported, OpenAI's shape) and
+  copied into the batch's own folder, so deleting the upload later cannot break the run;
+- in_progress: the lines go through ``batch.runner.run_batch`` (run-batch's exactly-once result log:
+  a restart skips every line already answered) against this app over an in-memory transport, as
+  the batch's owner and at ``BATCH_PRIORITY``, so interactive requests are served first;
+- finalizing: the results are put in input order and split into the output file (answers) and the
+  error file (errors), each recorded as soon as it exists, so a restart does not make it twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+
+from qwenbatch.batch.jsonl import CHAT_URL, COMPLETIONS_URL, DUPLICATE, RERANK_URL, parse_lines, write_in_input_order
+from qwenbatch.batch.runner import BatchOptions, run_batch, succeeded
+from qwenbatch.server.guard import INTERNAL_OWNER_HEADER
+from qwenbatch.server.storage import BatchError, BatchRecord, BatchStore, RequestCounts
+
+logger = logging.getLogger(__name__)
+
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, RERANK_URL)
+COMPLETION_WINDOWS = {"24h": 24 * 3600}  # OpenAI's only window
+BATCH_PRIORITY = 1  # interactive requests have 0; lower is served first
+MAX_REPORTED_ERRORS = 100  # a failed validation lists this many line errors at most
+PROGRESS_INTERVAL_S = 1.0  # how often request_counts are written while a batch runs
+_PARAM_OF_CODE = {"invalid_url": "url", "invalid_method": "method", "invalid_body": "body", DUPLICATE: "custom_id"}
+
+
+class AppBackend:
+    """A run-batch backend that is this server's own app, through httpx's in-memory transport."""
+
+    def __init__(self, app, token: str, owner: str, capacity: int) -> None:
+        self.app = app
+        self.capacity = capacity
+        self._headers = {"authorization": f"Bearer {token}", INTERNAL_OWNER_HEADER.decode(): owner}
+        self._client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        transport = httpx.ASGITransport(app=self.app)
+        self._client = httpx.AsyncClient(
+            transport=transport, base_url="http://batch-worker", timeout=None, headers=self._headers
+        )
+
+    async def send(self, url: str, body: dict) -> tuple[int, dict]:
+        priority = body.get("priority")
+        body = {**body, "priority": max(BATCH_PRIORITY, priority if isinstance(priority, int) else 0)}
+        response = await self._client.post(
+            url, content=orjson.dumps(body), headers={"content-type": "application/json"}
+        )
+        try:
+            return response.status_code, orjson.loads(response.content)
+        except orjson.JSONDecodeError:
+            return response.status_code, {"error": {"message": response.text[:500], "type": "invalid_response"}}
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+
+class BatchWorker:
+    """Runs the store's unfinished batches one at a time, oldest first, from the app's event loop."""
+
+    def __init__(self, app, store: BatchStore, capacity: int, max_batch_requests: int) -> None:
+        self.app = app
+        self.store = store
+        self.capacity = capacity  # lines in flight: enough to fill the batch, bounded below the queue limit
+        self.max_batch_requests = max_batch_requests
+        self.token = secrets.token_urlsafe(32)  # for the guard: this worker's requests, and no one else's
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._current: tuple[str, asyncio.Task] | None = None  # the batch running now and its run
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        """Stop at once; what is not finished stays in the store, resumed at the next start."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def notify(self) -> None:
+        """A batch was created or cancelled: look at the store again."""
+        self._wake.set()
+
+    def cancel(self, batch_id: str) -> None:
+        """Stop the batch's run if it is the one running (its status is "cancelling" already)."""
+        if self._current is not None and self._current[0] == batch_id:
+            self._current[1].cancel()
+        self.notify()
+
+    async def _loop(self) -> None:
+        from qwenbatch.engine.async_engine import EngineState
+
+        engine = self.app.state.ctx.engine
+        while engine.state is EngineState.LOADING:
+            await asyncio.sleep(0.1)
+        while engine.state is EngineState.READY:
+            self._wake.clear()
+            batches = await asyncio.to_thread(self.store.unfinished_batches)
+            for batch in batches:
+                try:
+                    await self._process(batch)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a broken batch must not stop the others
+                    logger.exception("batch %s failed in the worker", batch.id)
+                    await self._fail(batch, "internal_error", "the server failed while running the batch")
+            if not batches:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=5.0)
+
+    async def _process(self, batch: BatchRecord) -> None:
+        if batch.status == "validating":
+            batch = await asyncio.to_thread(self._validate, batch)
+        if batch.status == "in_progress" and not _expired(batch):
+            batch = await self._execute(batch)
+        if batch.status in ("finalizing", "cancelling") or _expired(batch):
+            await asyncio.to_thread(self._finalize, batch)
+
+    # -- validating -----------------------------------------------------------------------------------
+
+    def _validate(self, batch: BatchRecord) -> BatchRecord:
+        """Check every line; copy the input into the batch's folder; → in_progress, or failed with the errors."""
+        source = self.store.file_path(batch.owner, batch.input_file_id)
+        if source is None:
+            return self._set(batch, "failed", [BatchError("invalid_file", "the input file was deleted")], 0)
+        folder = self.store.batch_dir(batch.id)
+        tmp = folder / "input.jsonl.tmp"
+        shutil.copyfile(source, tmp)
+        errors, total = [], 0
+        with open(tmp, encoding="utf-8-sig", errors="replace") as f:
+            for line in parse_lines(f, "openai", endpoints=(batch.endpoint,)):
+                total += 1
+                if not line.valid:
+                    message = line.error_message
+                    if line.error_code == "invalid_url":
+                        message = f"line {line.number}: the url does not match the batch's endpoint {batch.endpoint}"
+                    code, param = line.error_code, _PARAM_OF_CODE.get(line.error_code)
+                    errors.append(BatchError(code, message, param, line.number))
+        if not total:
+            errors.append(BatchError("empty_file", "the input file has no request line"))
+        if total > self.max_batch_requests:
+            message = f"the input file has {total} requests; a batch may have at most {self.max_batch_requests}"
+            errors.append(BatchError("too_many_requests", message))
+        if errors:
+            tmp.unlink()
+            return self._set(batch, "failed", errors[:MAX_REPORTED_ERRORS], total)
+        os.replace(tmp, folder / "input.jsonl")
+        return self._set(batch, "in_progress", None, total)
+
+    def _set(self, batch: BatchRecord, status: str, errors: list[BatchError] | None, total: int) -> BatchRecord:
+        """Leave validating for ``status``, unless a cancel came first (then the batch as it is now)."""
+        stamp = "failed_at" if status == "failed" else "in_progress_at"
+        changes = {"status": status, stamp: int(time.time()), "request_counts": RequestCounts(total=total)}
+        if errors is not None:
+            changes["errors"] = errors
+        updated = self.store.update_batch(batch.id, if_status=("validating",), **changes)
+        return updated or self.store.get_batch(batch.owner, batch.id)
+
+    # -- in progress ----------------------------------------------------------------------------------
+
+    async def _execute(self, batch: BatchRecord) -> BatchRecord:
+        """Run the lines not yet answered; → finalizing, or the batch as a cancel or its expiry left it."""
+        folder = self.store.batch_dir(batch.id)
+        results = folder / "results.jsonl"
+        counts = await asyncio.to_thread(_count_results, results, batch.request_counts.total)
+
+        def on_result(result: dict) -> None:
+            nonlocal counts
+            ok = succeeded(result)
+            counts = RequestCounts(counts.total, counts.completed + ok, counts.failed + (not ok))
+
+        backend = AppBackend(self.app, self.token, batch.owner, self.capacity)
+        options = BatchOptions(input_format="openai", resume=True, progress=False)
+        run = asyncio.ensure_future(run_batch(folder / "input.jsonl", results, backend, options, on_result))
+        self._current = (batch.id, run)
+        try:
+            while not run.done():
+                await asyncio.wait({run}, timeout=PROGRESS_INTERVAL_S)
+                current = await asyncio.to_thread(
+                    self.store.update_batch, batch.id, if_status=("in_progress",), request_counts=counts
+                )
+                if current is None or _expired(current):  # cancelled (maybe by another process), or out of time
+                    run.cancel()
+            await run
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # the server is stopping: the batch stays in progress, resumed at the next start
+        finally:
+            self._current = None
+            if not run.done():
+                run.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await run  # its result log is closed (flushed and synced) before we go
+        current = await asyncio.to_thread(self.store.get_batch, batch.owner, batch.id)
+        if current.status != "in_progress" or _expired(current):
+            return current
+        updated = await asyncio.to_thread(
+            self.store.update_batch,
+            batch.id,
+            if_status=("in_progress",),
+            status="finalizing",
+            finalizing_at=int(time.time()),
+            request_counts=counts,
+        )
+        return updated or await asyncio.to_thread(self.store.get_batch, batch.owner, batch.id)
+
+    # -- finalizing -----------------------------------------------------------------------------------
+
+    def _finalize(self, batch: BatchRecord) -> None:
+        """Write the output and error files from what is done, then the final status."""
+        folder = self.store.batch_dir(batch.id)
+        results, input_path = folder / "results.jsonl", folder / "input.jsonl"
+        counts = _count_results(results, batch.request_counts.total)
+        if results.is_file() and input_path.is_file():
+            with open(input_path, encoding="utf-8-sig", errors="replace") as f:
+                order = [(line.custom_id, line.occurrence) for line in parse_lines(f, "openai")]
+            write_in_input_order(results, order)
+            outputs, errors = _split(results, folder)
+            if outputs and batch.output_file_id is None:
+                record = self.store.add_file_from_path(batch.owner, f"{batch.id}_output.jsonl", "batch_output", outputs)
+                batch = self.store.update_batch(batch.id, output_file_id=record.id)
+            if errors and batch.error_file_id is None:
+                record = self.store.add_file_from_path(batch.owner, f"{batch.id}_error.jsonl", "batch_output", errors)
+                batch = self.store.update_batch(batch.id, error_file_id=record.id)
+        if batch.status == "cancelling":
+            final = "cancelled"
+        elif batch.status == "finalizing":
+            final = "completed"
+        else:
+            final = "expired"
+        self.store.update_batch(batch.id, status=final, request_counts=counts, **{f"{final}_at": int(time.time())})
+        logger.info("batch %s %s: %d completed, %d failed", batch.id, final, counts.completed, counts.failed)
+
+    async def _fail(self, batch: BatchRecord, code: str, message: str) -> None:
+        await asyncio.to_thread(
+            self.store.update_batch,
+            batch.id,
+            status="failed",
+            failed_at=int(time.time()),
+            errors=[BatchError(code, message)],
+        )
+
+
+def _expired(batch: BatchRecord) -> bool:
+    return batch.status == "in_progress" and batch.expires_at is not None and time.time() > batch.expires_at
+
+
+def _count_results(results: Path, total: int) -> RequestCounts:
+    """The request counts a result log holds (a torn last line, from a kill mid-write, is not counted)."""
+    completed = failed = 0
+    if results.is_file():
+        with open(results, "rb") as f:
+            for raw in f:
+                try:
+                    result = orjson.loads(raw)
+                except orjson.JSONDecodeError:
+                    break
+                ok = succeeded(result)
+                completed += ok
+                failed += not ok
+    return RequestCounts(total, completed, failed)
+
+
+def _split(results: Path, folder: Path) -> tuple[Path | None, Path | None]:
+    """Answers and errors of the (ordered) result log in two files; None for one that would be empty."""
+    paths = {True: folder / "output.jsonl", False: folder / "errors.jsonl"}
+    counts = {True: 0, False: 0}
+    with open(results, "rb") as src, open(paths[True], "wb") as ok_file, open(paths[False], "wb") as error_file:
+        files = {True: ok_file, False: error_file}
+        for raw in src:
+            ok = succeeded(orjson.loads(raw))
+            files[ok].write(raw)
+            counts[ok] += 1
+        for f in files.values():
+            f.flush()
+            os.fsync(f.fileno())
+    for ok, path in paths.items():
+        if not counts[ok]:
+            path.unlink()
+    return (paths[True] if counts[True] else None), (paths[False] if counts[False] else None)

@@ -1,0 +1,304 @@
+"""The OpenAI Batch API (/v1/batches) driven by the official openai SDK: results equal direct greedy
+generation, validation errors in OpenAI's shape, cancel, per-key isolation, limits, listing, batch lines
+below interactive requests in priority, and a SIGKILL mid-batch resumed exactly once on restart."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import openai
+import pytest
+
+from qwenbatch.config import EngineConfig
+from qwenbatch.llm import LLM
+from qwenbatch.sampling_params import SamplingParams
+from qwenbatch.server.app import ServerSettings
+from qwenbatch.server.guard import owner_id
+from qwenbatch.server.storage import BatchStore
+from server_harness import RunningServer, serve_process, wait_for
+
+MODEL = "tiny"
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+KEY_A, KEY_B = "key-a", "key-b"
+FINISHED = ("completed", "failed", "cancelled", "expired")
+
+
+def chat_line(i: int, max_tokens: int = 8, url: str = CHAT) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Tell me about {i}."}], "temperature": 0}
+    return {"custom_id": f"req-{i}", "method": "POST", "url": url, "body": {**body, "max_tokens": max_tokens}}
+
+
+def jsonl(lines: list[dict]) -> bytes:
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def run_to_end(client: openai.OpenAI, batch_id: str, timeout: float = 120):
+    return wait_for(
+        lambda: (b := client.batches.retrieve(batch_id)).status in FINISHED and b,
+        f"batch {batch_id} to finish",
+        timeout=timeout,
+        interval=0.1,
+    )
+
+
+def submit(client: openai.OpenAI, lines: list[dict], endpoint: str = CHAT):
+    upload = client.files.create(file=("input.jsonl", jsonl(lines)), purpose="batch")
+    return client.batches.create(input_file_id=upload.id, endpoint=endpoint, completion_window="24h")
+
+
+def output_lines(client: openai.OpenAI, file_id: str) -> list[dict]:
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3, tmp_path_factory):
+    """A server with two API keys, its files and batches in a fresh folder; max_num_seqs 4."""
+    settings = ServerSettings(
+        served_model_names=[MODEL],
+        api_keys=[KEY_A, KEY_B],
+        data_dir=tmp_path_factory.mktemp("batch-data"),
+        max_batch_requests=64,
+    )
+    config = EngineConfig(model=str(tiny_qwen3), dtype="float32", kv_cache_memory=2**24, max_num_seqs=4)
+    with RunningServer(settings, config) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY_A, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def other_client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY_B, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen3) -> LLM:
+    return LLM(model=str(tiny_qwen3), dtype="float32", kv_cache_memory=2**24)
+
+
+def test_a_chat_batch_runs_to_completion_with_the_greedy_answers(client, reference):
+    lines = [chat_line(i) for i in range(10)]
+    batch = submit(client, lines, CHAT)
+    assert (batch.status, batch.endpoint, batch.completion_window) == ("validating", CHAT, "24h")
+    assert batch.expires_at - batch.created_at == 24 * 3600
+    done = run_to_end(client, batch.id)
+    assert done.status == "completed", done.errors
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (10, 10, 0)
+    assert done.error_file_id is None and done.in_progress_at and done.finalizing_at and done.completed_at
+    results = output_lines(client, done.output_file_id)
+    assert [r["custom_id"] for r in results] == [line["custom_id"] for line in lines]  # input order
+    expected = reference.chat(
+        [line["body"]["messages"] for line in lines], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+    )
+    for result, want in zip(results, expected, strict=True):
+        assert result["error"] is None and result["response"]["status_code"] == 200
+        body = result["response"]["body"]
+        assert body["object"] == "chat.completion" and body["model"] == MODEL
+        assert body["choices"][0]["message"]["content"] == want.outputs[0].text
+        assert body["usage"]["completion_tokens"] == len(want.outputs[0].token_ids)
+    output_file = client.files.retrieve(done.output_file_id)
+    assert output_file.purpose == "batch_output" and output_file.bytes == len(
+        client.files.content(output_file.id).content
+    )
+
+
+def test_completions_batch_and_per_line_errors_in_the_error_file(client, reference):
+    lines = [
+        {
+            "custom_id": "ok",
+            "method": "POST",
+            "url": COMPLETIONS,
+            "body": {"prompt": "def add(", "max_tokens": 6, "temperature": 0},
+        },
+        {"custom_id": "bad-model", "method": "POST", "url": COMPLETIONS, "body": {"model": "nope", "prompt": "x"}},
+        {"custom_id": "bad-param", "method": "POST", "url": COMPLETIONS, "body": {"prompt": "x", "top_p": 7}},
+    ]
+    done = run_to_end(client, submit(client, lines, COMPLETIONS).id)
+    assert done.status == "completed"
+    assert (done.request_counts.completed, done.request_counts.failed) == (1, 2)
+    [ok] = output_lines(client, done.output_file_id)
+    want = reference.generate(["def add("], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+    assert ok["custom_id"] == "ok" and ok["response"]["body"]["choices"][0]["text"] == want.outputs[0].text
+    errors = {r["custom_id"]: r["response"] for r in output_lines(client, done.error_file_id)}
+    assert errors["bad-model"]["status_code"] == 404 and errors["bad-param"]["status_code"] == 400
+    assert errors["bad-param"]["body"]["error"]["param"] == "top_p"
+
+
+@pytest.mark.parametrize(
+    ("content", "code", "line", "param"),
+    [
+        (jsonl([chat_line(0)]) + b"{not json\n", "invalid_json", 2, None),
+        (jsonl([chat_line(0), chat_line(1, url=COMPLETIONS)]), "invalid_url", 2, "url"),  # mixed endpoints
+        (jsonl([chat_line(0, url="/v1/embeddings")]), "invalid_url", 1, "url"),  # an endpoint we do not serve
+        (jsonl([chat_line(0), chat_line(0)]), "duplicate_custom_id", 2, "custom_id"),
+        (b"\n\n", "empty_file", None, None),
+    ],
+)  # fmt: skip
+def test_an_invalid_input_file_fails_validation_with_openai_shaped_errors(client, content, code, line, param):
+    upload = client.files.create(file=("input.jsonl", content), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
+    done = run_to_end(client, batch.id)
+    assert done.status == "failed" and done.failed_at and done.output_file_id is None
+    assert done.request_counts.completed == 0
+    error = next(e for e in done.errors.data if e.code == code)
+    assert (error.line, error.param) == (line, param) and error.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"endpoint": "/v1/embeddings"}, "endpoint"),
+        ({"completion_window": "1h"}, "completion_window"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ],
+)
+def test_bad_batch_parameters_are_a_400_naming_them(client, fields, param):
+    upload = client.files.create(file=("input.jsonl", jsonl([chat_line(0)])), purpose="batch")
+    args = {"input_file_id": upload.id, "endpoint": CHAT, "completion_window": "24h", **fields}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.batches.create(**args)
+    assert e.value.body["param"] == param
+
+
+def test_a_batch_over_the_request_limit_is_refused_naming_the_limit(client):
+    upload = client.files.create(file=("input.jsonl", jsonl([chat_line(i) for i in range(65)])), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="limit per batch is 64"):
+        client.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-" + "0" * 24, endpoint=CHAT, completion_window="24h")
+
+
+def test_metadata_comes_back_and_listing_pages_newest_first(client):
+    ids = [
+        client.batches.create(
+            input_file_id=client.files.create(file=("in.jsonl", jsonl([chat_line(i, 1)])), purpose="batch").id,
+            endpoint=CHAT,
+            completion_window="24h",
+            metadata={"job": f"j{i}"},
+        ).id
+        for i in range(3)
+    ]
+    for batch_id in ids:
+        run_to_end(client, batch_id)
+    assert client.batches.retrieve(ids[1]).metadata == {"job": "j1"}
+    first = client.batches.list(limit=2)
+    assert [b.id for b in first.data] == ids[::-1][:2] and first.has_more
+    second = client.batches.list(limit=2, after=first.data[-1].id)
+    assert second.data[0].id == ids[0]
+    everything = [b.id for b in client.batches.list(limit=100).data]
+    assert everything.index(ids[2]) < everything.index(ids[1]) < everything.index(ids[0])
+
+
+def test_cancel_mid_run_stops_the_batch_and_keeps_what_is_done(client, server):
+    batch = submit(client, [chat_line(i, max_tokens=64) for i in range(40)])
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2, "two lines done", 60)
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
+    done = run_to_end(client, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at
+    assert 2 <= done.request_counts.completed < 40
+    results = output_lines(client, done.output_file_id)
+    assert len(results) == done.request_counts.completed
+    assert len({r["custom_id"] for r in results}) == len(results)
+    wait_for(lambda: not server.engine.has_unfinished(), "the engine to drop the cancelled lines")
+    finished = run_to_end(client, submit(client, [chat_line(0, 1)]).id)
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(finished.id)
+
+
+def test_each_api_key_sees_only_its_own_batches(client, other_client):
+    batch = submit(client, [chat_line(0, 1)])
+    with pytest.raises(openai.NotFoundError):
+        other_client.batches.retrieve(batch.id)
+    with pytest.raises(openai.NotFoundError):
+        other_client.batches.cancel(batch.id)
+    assert batch.id not in [b.id for b in other_client.batches.list(limit=100).data]
+    done = run_to_end(client, batch.id)
+    with pytest.raises(openai.NotFoundError):
+        other_client.files.content(done.output_file_id)
+    with pytest.raises(openai.NotFoundError):  # another key's file as the input of a batch
+        other_client.batches.create(input_file_id=batch.input_file_id, endpoint=CHAT, completion_window="24h")
+
+
+def test_batch_lines_run_below_interactive_requests(client, server, monkeypatch):
+    engine = server.engine
+    seen: list[int] = []
+    make_request = engine.make_request
+
+    def spy(*args, priority: int = 0, **kwargs):
+        seen.append(priority)
+        return make_request(*args, priority=priority, **kwargs)
+
+    monkeypatch.setattr(engine, "make_request", spy)
+    batch = submit(client, [chat_line(i, max_tokens=48) for i in range(40)])
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1, "a line done", 60)
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Now!"}], max_tokens=8, temperature=0
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    # The interactive request was answered while most of the batch (4 seats, 40 lines) still waits.
+    assert client.batches.retrieve(batch.id).request_counts.completed < 40
+    assert 0 in seen and set(seen) - {0} == {1}  # batch lines at priority 1, the chat at 0
+    client.batches.cancel(batch.id)
+    run_to_end(client, batch.id)
+
+
+# -- crash safety: a real `qwenbatch serve` killed with SIGKILL ------------------------------------
+
+
+def _serve(tiny_qwen3: Path, data_dir: Path, log: Path):
+    return serve_process(
+        tiny_qwen3, log, "--data-dir", str(data_dir), "--api-key", KEY_A, "--max-num-seqs", "2",
+        served_model_name=MODEL,
+    )  # fmt: skip
+
+
+def test_sigkill_mid_batch_then_restart_resumes_with_every_line_exactly_once(tiny_qwen3, tmp_path, reference):
+    data_dir = tmp_path / "data"
+    lines = [chat_line(i, max_tokens=24) for i in range(30)]
+    with _serve(tiny_qwen3, data_dir, tmp_path / "first.log") as (proc, url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY_A, max_retries=0)
+        batch = submit(client, lines)
+        wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, "three lines done", 60)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    store = BatchStore(data_dir)
+    killed = store.get_batch(owner_id(KEY_A), batch.id)
+    assert killed.status == "in_progress" and killed.request_counts.completed < 30
+
+    with _serve(tiny_qwen3, data_dir, tmp_path / "second.log") as (_, url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY_A, max_retries=0)
+        done = run_to_end(client, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 30
+        results = output_lines(client, done.output_file_id)
+    assert [r["custom_id"] for r in results] == [line["custom_id"] for line in lines]  # each exactly once
+    expected = reference.chat(
+        [line["body"]["messages"] for line in lines], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False
+    )
+    for result, want in zip(results, expected, strict=True):
+        assert result["response"]["body"]["choices"][0]["message"]["content"] == want.outputs[0].text
+
+
+def test_a_cancel_taken_just_before_a_crash_is_honoured_after_the_restart(tiny_qwen3, tmp_path):
+    data_dir = tmp_path / "data"
+    with _serve(tiny_qwen3, data_dir, tmp_path / "first.log") as (proc, url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY_A, max_retries=0)
+        batch = submit(client, [chat_line(i, max_tokens=24) for i in range(30)])
+        wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2, "two lines done", 60)
+        # The server is frozen, takes a cancel (written to its store as its route would) and dies before
+        # its worker sees it.
+        proc.send_signal(signal.SIGSTOP)
+        assert BatchStore(data_dir).request_cancel(owner_id(KEY_A), batch.id).status == "cancelling"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    with _serve(tiny_qwen3, data_dir, tmp_path / "second.log") as (_, url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY_A, max_retries=0)
+        done = run_to_end(client, batch.id)
+    assert done.status == "cancelled"
+    assert 2 <= done.request_counts.completed < 30
+    assert done.request_counts.completed + done.request_counts.failed <= 30
