@@ -33,10 +33,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, dtype: str, port: int, threads: int | None = None) -> subprocess.Popen:
-    """`qwenbatch serve` on ``port`` (``threads``: OMP_NUM_THREADS), once /health says healthy."""
+def start_server(
+    model: str, dtype: str, port: int, threads: int | None = None, extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    """`qwenbatch serve` on ``port`` (``threads``: OMP_NUM_THREADS; ``extra`` flags), once /health says healthy."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if threads else None
     cmd = [sys.executable, "-m", "qwenbatch.cli", "serve", "--model", model, "--dtype", dtype, "--port", str(port)]
+    cmd += extra
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
