@@ -302,3 +302,49 @@ def test_a_cancel_taken_just_before_a_crash_is_honoured_after_the_restart(tiny_q
     assert done.status == "cancelled"
     assert 2 <= done.request_counts.completed < 30
     assert done.request_counts.completed + done.request_counts.failed <= 30
+
+
+# -- the worker's backend: a busy server is waited for, never recorded as a failure --------------------
+
+
+def _busy_app(busy_answers: int, healthy: bool):
+    """A stand-in ASGI app answering 503 ``busy_answers`` times, then 200, with an engine of the given health."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI()
+    app.state.ctx = SimpleNamespace(engine=SimpleNamespace(is_healthy=healthy, state=SimpleNamespace(value="dead")))
+    calls: list[dict] = []
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: dict):
+        calls.append(body)
+        if len(calls) <= busy_answers:
+            return JSONResponse({"error": {"message": "queue full"}}, status_code=503)
+        return {"ok": True}
+
+    return app, calls
+
+
+def test_the_worker_retries_a_busy_answer_and_stops_when_the_engine_is_gone():
+    import asyncio
+
+    from qwenbatch.server.batch_worker import AppBackend, EngineUnavailable
+
+    async def send(app):
+        backend = AppBackend(app, token="t", owner="o", capacity=1)
+        await backend.start()
+        try:
+            return await backend.send(CHAT, {"messages": [], "priority": 0})
+        finally:
+            await backend.close()
+
+    app, calls = _busy_app(busy_answers=2, healthy=True)
+    assert asyncio.run(send(app)) == (200, {"ok": True})
+    assert len(calls) == 3 and all(c["priority"] == 1 for c in calls)  # batch lines never below priority 1
+    app, calls = _busy_app(busy_answers=5, healthy=False)
+    with pytest.raises(EngineUnavailable, match="dead"):
+        asyncio.run(send(app))
+    assert len(calls) == 1

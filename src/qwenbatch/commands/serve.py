@@ -72,6 +72,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="largest file uploaded to /v1/files (413 above it)",
     )
     serve.add_argument(
+        "--max-batch-requests",
+        type=int,
+        default=int(env("QWENBATCH_MAX_BATCH_REQUESTS", "50000")),
+        help="most requests in one batch's input file (400 above it)",
+    )
+    serve.add_argument(
         "--shutdown-timeout",
         type=float,
         default=float(env("QWENBATCH_SHUTDOWN_TIMEOUT", "30")),
@@ -111,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_request_body,
         data_dir=args.data_dir,
         max_file_bytes=args.max_file_bytes,
+        max_batch_requests=args.max_batch_requests,
         on_fatal=on_fatal,
     )
     app = build_app(settings, config)

@@ -39,7 +39,13 @@ COMPLETION_WINDOWS = {"24h": 24 * 3600}  # OpenAI's only window
 BATCH_PRIORITY = 1  # interactive requests have 0; lower is served first
 MAX_REPORTED_ERRORS = 100  # a failed validation lists this many line errors at most
 PROGRESS_INTERVAL_S = 1.0  # how often request_counts are written while a batch runs
+BUSY_STATUSES = frozenset({429, 503})  # retried: the queue is full for now, or the engine is going away
+RETRY_FIRST_DELAY_S, RETRY_MAX_DELAY_S = 0.05, 2.0
 _PARAM_OF_CODE = {"invalid_url": "url", "invalid_method": "method", "invalid_body": "body", DUPLICATE: "custom_id"}
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine stopped or died while a batch ran; the batch stays in progress."""
 
 
 class AppBackend:
@@ -58,11 +64,19 @@ class AppBackend:
         )
 
     async def send(self, url: str, body: dict) -> tuple[int, dict]:
+        """The app's answer; a busy answer (429, 503: the queue is full) is retried, never recorded,
+        and EngineUnavailable ends the run when the engine is gone (the batch resumes at the next start)."""
         priority = body.get("priority")
         body = {**body, "priority": max(BATCH_PRIORITY, priority if isinstance(priority, int) else 0)}
-        response = await self._client.post(
-            url, content=orjson.dumps(body), headers={"content-type": "application/json"}
-        )
+        content, delay = orjson.dumps(body), RETRY_FIRST_DELAY_S
+        while True:
+            response = await self._client.post(url, content=content, headers={"content-type": "application/json"})
+            if response.status_code not in BUSY_STATUSES:
+                break
+            if not self.app.state.ctx.engine.is_healthy:
+                raise EngineUnavailable(f"the engine is {self.app.state.ctx.engine.state.value}")
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, RETRY_MAX_DELAY_S)
         try:
             return response.status_code, orjson.loads(response.content)
         except orjson.JSONDecodeError:
@@ -108,6 +122,12 @@ class BatchWorker:
         self.notify()
 
     async def _loop(self) -> None:
+        try:
+            await self._run_batches()
+        except EngineUnavailable as e:
+            logger.warning("batch worker stopped: %s; unfinished batches resume at the next start", e)
+
+    async def _run_batches(self) -> None:
         from qwenbatch.engine.async_engine import EngineState
 
         engine = self.app.state.ctx.engine
@@ -119,7 +139,7 @@ class BatchWorker:
             for batch in batches:
                 try:
                     await self._process(batch)
-                except asyncio.CancelledError:
+                except (asyncio.CancelledError, EngineUnavailable):
                     raise
                 except Exception:  # a broken batch must not stop the others
                     logger.exception("batch %s failed in the worker", batch.id)
