@@ -14,7 +14,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 
 from qwenbatch.server.batch_worker import COMPLETION_WINDOWS, ENDPOINTS
-from qwenbatch.server.common import APIError, OrjsonResponse
+from qwenbatch.server.common import APIError, OrjsonResponse, list_page
 from qwenbatch.server.files import not_found as file_not_found
 from qwenbatch.server.guard import owner_of
 from qwenbatch.server.protocol import CreateBatchRequest
@@ -67,16 +67,7 @@ async def list_batches(request: Request, limit: Annotated[int, Query(ge=1, le=10
         records = await asyncio.to_thread(_store(request).list_batches, owner_of(request), limit + 1, after)
     except ValueError as e:
         raise APIError(400, str(e), param="after") from e
-    data = [r.to_openai() for r in records[:limit]]
-    return OrjsonResponse(
-        {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": len(records) > limit,
-        }
-    )
+    return list_page(records, limit)
 
 
 @router.get("/v1/batches/{batch_id}")

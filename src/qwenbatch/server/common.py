@@ -53,6 +53,20 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
     )
 
 
+def list_page(records: list, limit: int) -> OrjsonResponse:
+    """OpenAI's cursor-paged list of ``records`` (``to_openai()`` each), fetched one past ``limit``
+    so that ``has_more`` is known."""
+    data = [r.to_openai() for r in records[:limit]]
+    page = {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": len(records) > limit,
+    }
+    return OrjsonResponse(page)
+
+
 def unavailable(message: str) -> APIError:
     return APIError(503, message, "service_unavailable", code="unavailable", headers={"Retry-After": "1"})
 

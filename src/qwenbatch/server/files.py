@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
 
-from qwenbatch.server.common import APIError, OrjsonResponse
+from qwenbatch.server.common import APIError, OrjsonResponse, list_page
 from qwenbatch.server.guard import owner_of
 from qwenbatch.server.storage import BatchStore, FileTooLarge
 
@@ -60,16 +60,7 @@ async def list_files(
         )
     except ValueError as e:
         raise APIError(400, str(e), param="after") from e
-    data = [r.to_openai() for r in records[:limit]]
-    return OrjsonResponse(
-        {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": len(records) > limit,
-        }
-    )
+    return list_page(records, limit)
 
 
 @router.get("/v1/files/{file_id}")
