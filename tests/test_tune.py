@@ -252,3 +252,24 @@ def test_a_bad_config_file_is_a_one_line_error(tmp_path, capsys, text, message):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--latency-slo-ms", "0"], "--latency-slo-ms must be positive"),
+        (["--num-samples", "0"], "--num-samples must be positive"),
+        (["--server", "http://127.0.0.1:1", "--compare-static"], "cannot be combined with --server"),
+    ],
+)
+def test_bad_tune_flags_are_one_line_errors_before_anything_runs(tmp_path, capsys, flags, message):
+    assert main(["tune", "--output", str(tmp_path / "r"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_bad_sweep_list_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["tune", "--max-num-seqs", "4,0"])
+    assert e.value.code == 2 and "positive integers" in capsys.readouterr().err

@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("tune writes a plot and needs matplotlib: pip install 'qwenbatch[tune]'") from None
     if args.num_samples < 1:
         raise ValueError("--num-samples must be positive")
+    if args.latency_slo_ms is not None and args.latency_slo_ms <= 0:
+        raise ValueError("--latency-slo-ms must be positive")
     if args.server and args.compare_static:
         raise ValueError("--compare-static runs transformers in-process; it cannot be combined with --server")
     config = engine_config_from_args(args)
@@ -91,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         measurements = run_sweep(config, workload.sample, settings, args.output / "runs", args.setting_timeout)
     limit = args.memory_limit or psutil.virtual_memory().total
-    rules = Rules(memory_limit_mib=limit / 2**20, latency_slo_s=args.latency_slo_ms and args.latency_slo_ms / 1000)
+    slo_s = None if args.latency_slo_ms is None else args.latency_slo_ms / 1000
+    rules = Rules(memory_limit_mib=limit / 2**20, latency_slo_s=slo_s)
     try:
         pick, why_not = recommend(measurements, rules), None
     except NoSettingFits as e:
