@@ -57,7 +57,9 @@ def test_padding_ratio_and_percentiles_by_hand():
     a = analyze([10, 10, 10, 10, 50, 50, 50, 50], [1, 2, 4, 8])
     assert [p.effective_in_order for p in a.padding] == [1.0, 1.0, 1.0, pytest.approx(240 / 400)]
     assert a.static_batch_size_at_target == 4
-    assert analyze([10, 50] * 4, [2, 4]).static_batch_size_at_target is None  # every pair pads: 60 / 100
+    alternating = analyze([10, 50] * 4, [2, 4])
+    assert alternating.static_batch_size_at_target is None  # every pair pads: 60 / 100
+    assert alternating.static_batch_size_at_target_sorted == 4  # sorted, the batches are uniform
 
 
 def test_chat_lines_are_measured_with_the_chat_template(tmp_path, tiny_qwen3):

@@ -58,8 +58,10 @@ class WorkloadAnalysis:
     max_model_len: int | None  # the engine's limit the shares below refer to
     share_over_max_model_len: float | None  # prompts a static system would truncate (our engine rejects them)
     padding: list[StaticPadding] = field(default_factory=list)
-    # The largest batch size whose in-order batches keep >= 85% real tokens (None: not even batch 2).
+    # The largest batch size whose batches keep >= 85% real tokens (None: not even batch 2), in input
+    # order and length-sorted.
     static_batch_size_at_target: int | None = None
+    static_batch_size_at_target_sorted: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,7 +76,11 @@ def analyze(lengths: Sequence[int], batch_sizes: Sequence[int], max_model_len: i
         StaticPadding(b, effective_token_ratio(lengths, b), effective_token_ratio(ordered, b))
         for b in sorted(set(batch_sizes))
     ]
-    acceptable = [p.batch_size for p in padding if p.batch_size > 1 and p.effective_in_order >= EFFECTIVE_TOKENS_TARGET]
+
+    def largest_at_target(share: str) -> int | None:
+        sizes = [p.batch_size for p in padding if p.batch_size > 1 and getattr(p, share) >= EFFECTIVE_TOKENS_TARGET]
+        return max(sizes, default=None)
+
     over = None if max_model_len is None else sum(n > max_model_len for n in lengths) / len(lengths)
     return WorkloadAnalysis(
         num_requests=len(lengths),
@@ -88,5 +94,6 @@ def analyze(lengths: Sequence[int], batch_sizes: Sequence[int], max_model_len: i
         max_model_len=max_model_len,
         share_over_max_model_len=over,
         padding=padding,
-        static_batch_size_at_target=max(acceptable, default=None),
+        static_batch_size_at_target=largest_at_target("effective_in_order"),
+        static_batch_size_at_target_sorted=largest_at_target("effective_sorted"),
     )

@@ -88,7 +88,9 @@ def format_markdown(report: TuneReport) -> str:
         "|---|---|---|",
         *(f"| {p.batch_size} | {p.effective_in_order:.1%} | {p.effective_sorted:.1%} |" for p in a.padding),
         "",
-        f"Largest static batch size keeping ≥ 85% real tokens in input order: {a.static_batch_size_at_target or '–'}.",
+        "Largest static batch size keeping ≥ 85% real tokens: "
+        f"{a.static_batch_size_at_target or '–'} in input order, {a.static_batch_size_at_target_sorted or '–'} "
+        "length-sorted.",
         "",
         "## Sweep",
         "",
