@@ -148,7 +148,9 @@ _UNION_BRANCHES = {
 
 
 def _param_path(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    if loc and loc[0] in ("body", "query", "path"):  # where the value came from, not part of its name
+        loc = loc[1:]
+    parts = [str(p) for p in loc]
     parts = [p for p in parts if p not in _UNION_BRANCHES and "[" not in p]
     return ".".join(parts) or None
 
