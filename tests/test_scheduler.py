@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qwenbatch.engine.block_manager import BlockManager
-from qwenbatch.engine.scheduler import BACKGROUND_MIN_TOKENS, Scheduler
+from qwenbatch.engine.scheduler import BACKGROUND_MIN_TOKENS, BACKGROUND_PRIORITY, BACKGROUND_STEP_TOKENS, Scheduler
 from qwenbatch.engine.sequence import Sequence, SequenceStatus
 from qwenbatch.sampling_params import SamplingParams
 
@@ -163,6 +163,14 @@ def test_worse_classes_run_in_the_background_of_the_best_one():
     assert step[0] == (100, 1) and len(step) == 1 + BACKGROUND_MIN_TOKENS  # a decode: the minimum
     sched.finish(sched.running[0])
     assert len(run_step(sched)) == 40  # the interactive request gone, the batch has the whole budget again
+
+
+def test_background_steps_are_short_even_alone():
+    sched = Scheduler(BlockManager(512, 4), max_num_seqs=8, max_num_batched_tokens=1000)
+    sched.add(make_seq(0, 600, max_tokens=4, priority=BACKGROUND_PRIORITY))
+    assert run_step(sched) == [(0, BACKGROUND_STEP_TOKENS)]  # a long background prompt in short chunks
+    sched.add(make_seq(1, 600, max_tokens=4, priority=0))
+    assert run_step(sched)[0] == (1, 600)  # interactive work keeps the whole budget
 
 
 def test_a_better_priority_preempts_for_blocks_until_it_fits():

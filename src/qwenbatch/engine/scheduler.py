@@ -22,7 +22,9 @@ sequence, nothing of the victim's priority or lower, so a victim is not readmitt
 Worse classes run in the background of the best one: together they get at most as many tokens in a
 step as the best class used (and at least BACKGROUND_MIN_TOKENS), so on a compute-bound CPU, where a
 step takes time in proportion to its tokens, a batch job cannot make an interactive request's steps
-much slower; with no better class present a class has the whole budget.
+much slower; with no better class present a class has the whole budget, except background work
+(priority >= BACKGROUND_PRIORITY), whose steps never exceed BACKGROUND_STEP_TOKENS, so that a request
+arriving meanwhile waits for a short step only.
 
 Cost of a step, for R running and W waiting sequences in C priority classes: O(R * C + C log C) to
 list the classes (waiting sequences are counted per priority, not scanned) and visit the running
@@ -77,9 +79,15 @@ class _Step:
 
 
 # While sequences of a better class are scheduled, the worse classes together get at most as many
-# tokens as the best class used, and at least this many: a step's time on a CPU grows with its tokens,
-# so a background batch job may not slow an interactive request's steps by more than about two times.
-BACKGROUND_MIN_TOKENS = 16
+# tokens as the best class used, and at least this many: a step's time on a CPU grows with its rows
+# (the default model here: 120 ms for 1 decode row, 160 ms for 4, 290 ms for 17), so a background batch
+# job slows an interactive request's decode steps by about a third, and still moves.
+BACKGROUND_MIN_TOKENS = 4
+# Priority 1 and worse is background work (the Batch API's lines): together at most this many tokens a
+# step even alone, so a request that arrives waits for a short step (~2 s here), not a full 2,048-token
+# one (~20 s); a GEMM of 256 rows already runs near this CPU's peak rate.
+BACKGROUND_PRIORITY = 1
+BACKGROUND_STEP_TOKENS = 256
 
 # Above this many waiting sequences of a class, ordering by cached prefix costs more than it saves.
 PREFIX_ORDER_MAX_WAITING = 64
@@ -107,10 +115,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """This step's batch: each priority class, best first, its running then its waiting sequences."""
         step = _Step(SchedulerOutput(), self.max_num_batched_tokens)
+        capped = False
         for rank, priority in enumerate(sorted({seq.priority for seq in self.running} | self._num_waiting.keys())):
             if rank == 1:  # the worse classes run in the background of the best one
                 used = self.max_num_batched_tokens - step.budget
                 step.budget = min(step.budget, max(BACKGROUND_MIN_TOKENS, used))
+            if priority >= BACKGROUND_PRIORITY and not capped:  # background work keeps its steps short
+                step.budget, capped = min(step.budget, BACKGROUND_STEP_TOKENS), True
             self._schedule_running(step, priority)
             self._admit_waiting(step, priority)
         return step.out
