@@ -81,7 +81,7 @@ def reference(tiny_qwen3) -> LLM:
     return LLM(model=str(tiny_qwen3), dtype="float32", kv_cache_memory=2**24)
 
 
-def test_a_chat_batch_runs_to_completion_with_the_greedy_answers(client, reference):
+def test_a_chat_batch_runs_to_completion_with_the_greedy_answers(client, server, reference):
     lines = [chat_line(i) for i in range(10)]
     batch = submit(client, lines, CHAT)
     assert (batch.status, batch.endpoint, batch.completion_window) == ("validating", CHAT, "24h")
@@ -101,6 +101,7 @@ def test_a_chat_batch_runs_to_completion_with_the_greedy_answers(client, referen
         assert body["object"] == "chat.completion" and body["model"] == MODEL
         assert body["choices"][0]["message"]["content"] == want.outputs[0].text
         assert body["usage"]["completion_tokens"] == len(want.outputs[0].token_ids)
+    assert not (server.app.state.store.batches_dir / batch.id).exists()  # its working files are gone
     output_file = client.files.retrieve(done.output_file_id)
     assert output_file.purpose == "batch_output" and output_file.bytes == len(
         client.files.content(output_file.id).content
@@ -139,11 +140,12 @@ def test_completions_batch_and_per_line_errors_in_the_error_file(client, referen
         (b"\n\n", "empty_file", None, None),
     ],
 )  # fmt: skip
-def test_an_invalid_input_file_fails_validation_with_openai_shaped_errors(client, content, code, line, param):
+def test_an_invalid_input_file_fails_validation_with_openai_shaped_errors(client, server, content, code, line, param):
     upload = client.files.create(file=("input.jsonl", content), purpose="batch")
     batch = client.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
     done = run_to_end(client, batch.id)
     assert done.status == "failed" and done.failed_at and done.output_file_id is None
+    assert not (server.app.state.store.batches_dir / batch.id).exists()
     assert done.request_counts.completed == 0
     error = next(e for e in done.errors.data if e.code == code)
     assert (error.line, error.param) == (line, param) and error.message

@@ -182,7 +182,7 @@ class BatchWorker:
             message = f"the input file has {total} requests; a batch may have at most {self.max_batch_requests}"
             errors.append(BatchError("too_many_requests", message))
         if errors:
-            tmp.unlink()
+            shutil.rmtree(folder, ignore_errors=True)
             return self._set(batch, "failed", errors[:MAX_REPORTED_ERRORS], total)
         os.replace(tmp, folder / "input.jsonl")
         return self._set(batch, "in_progress", None, total)
@@ -269,6 +269,7 @@ class BatchWorker:
         else:
             final = "expired"
         self.store.update_batch(batch.id, status=final, request_counts=counts, **{f"{final}_at": int(time.time())})
+        shutil.rmtree(folder, ignore_errors=True)  # the input copy and the result log; the files are kept
         logger.info("batch %s %s: %d completed, %d failed", batch.id, final, counts.completed, counts.failed)
 
     async def _fail(self, batch: BatchRecord, code: str, message: str) -> None:
