@@ -37,7 +37,8 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
 
-def _json(response: httpx.Response) -> dict:
+def response_json(response: httpx.Response) -> dict:
+    """A response's JSON body, or an OpenAI-shaped error holding its text when it is not JSON."""
     try:
         return orjson.loads(response.content)
     except orjson.JSONDecodeError:
@@ -78,7 +79,7 @@ class InProcessBackend:
         response = await self._client.post(
             url, content=orjson.dumps(body), headers={"content-type": "application/json"}
         )
-        return response.status_code, _json(response)
+        return response.status_code, response_json(response)
 
     async def close(self) -> None:
         if self._client is not None:
@@ -165,7 +166,7 @@ class ServersBackend:
                 self._back_off(server, f"HTTP {response.status_code}")
                 continue
             server.failures = 0
-            return response.status_code, _json(response)
+            return response.status_code, response_json(response)
         raise ServersUnavailableError(f"no server answered after {self.max_attempts} attempts")
 
     async def close(self) -> None:

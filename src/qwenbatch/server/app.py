@@ -91,7 +91,7 @@ def build_app(
         # Batch lines in flight: enough to fill every batch slot, few enough to leave the waiting queue
         # (and, with priority, the seats) to interactive requests.
         capacity = max(1, min(2 * engine_config.max_num_seqs, settings.max_waiting_seqs // 2))
-        worker = BatchWorker(app, app.state.store, capacity, settings.max_batch_requests)
+        worker = BatchWorker(app, app.state.store, capacity)
         app.state.batch_worker = worker
     # With api_keys every route but /health needs a key; the admin key is accepted there too.
     keys = list(settings.api_keys)

@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 import orjson
 
+from qwenbatch.batch.backends import response_json
 from qwenbatch.batch.jsonl import CHAT_URL, COMPLETIONS_URL, DUPLICATE, RERANK_URL, parse_lines, write_in_input_order
 from qwenbatch.batch.runner import BatchOptions, run_batch, succeeded
 from qwenbatch.server.guard import INTERNAL_OWNER_HEADER
@@ -77,10 +78,7 @@ class AppBackend:
                 raise EngineUnavailable(f"the engine is {self.app.state.ctx.engine.state.value}")
             await asyncio.sleep(delay)
             delay = min(2 * delay, RETRY_MAX_DELAY_S)
-        try:
-            return response.status_code, orjson.loads(response.content)
-        except orjson.JSONDecodeError:
-            return response.status_code, {"error": {"message": response.text[:500], "type": "invalid_response"}}
+        return response.status_code, response_json(response)
 
     async def close(self) -> None:
         if self._client is not None:
@@ -91,11 +89,10 @@ class AppBackend:
 class BatchWorker:
     """Runs the store's unfinished batches one at a time, oldest first, from the app's event loop."""
 
-    def __init__(self, app, store: BatchStore, capacity: int, max_batch_requests: int) -> None:
+    def __init__(self, app, store: BatchStore, capacity: int) -> None:
         self.app = app
         self.store = store
         self.capacity = capacity  # lines in flight: enough to fill the batch, bounded below the queue limit
-        self.max_batch_requests = max_batch_requests
         self.token = secrets.token_urlsafe(32)  # for the guard: this worker's requests, and no one else's
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -178,9 +175,6 @@ class BatchWorker:
                     errors.append(BatchError(code, message, param, line.number))
         if not total:
             errors.append(BatchError("empty_file", "the input file has no request line"))
-        if total > self.max_batch_requests:
-            message = f"the input file has {total} requests; a batch may have at most {self.max_batch_requests}"
-            errors.append(BatchError("too_many_requests", message))
         if errors:
             shutil.rmtree(folder, ignore_errors=True)
             return self._set(batch, "failed", errors[:MAX_REPORTED_ERRORS], total)

@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from qwenbatch.batch.jsonl import CHAT_URL, COMPLETIONS_URL, parse_lines
 from qwenbatch.bench.workloads import BenchRequest
 
 
@@ -28,8 +29,6 @@ def sample_workload(name: str, requests: list[BenchRequest], num_samples: int, s
 def file_workload(path: Path, tokenizer, max_tokens: int, num_samples: int, seed: int = 0) -> TuneWorkload:
     """The chat and completions lines of a run-batch input file, tokenized as the engine would
     (chat template included). Streamed: only lengths and a reservoir sample are kept."""
-    from qwenbatch.batch.jsonl import CHAT_URL, COMPLETIONS_URL, parse_lines
-
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     if tokenizer is None:
@@ -53,8 +52,6 @@ def file_workload(path: Path, tokenizer, max_tokens: int, num_samples: int, seed
 
 
 def _requests_of(url: str, body: dict, tokenizer, default_max_tokens: int) -> list[BenchRequest]:
-    from qwenbatch.batch.jsonl import CHAT_URL
-
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
     ignore_eos = bool(body.get("ignore_eos", False))
     if url == CHAT_URL:
