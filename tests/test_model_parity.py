@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from qwenbatch import LLM, SamplingParams
-from qwenbatch.layers.attention import AttentionMetadata, PrefillSpan
+from qwenbatch.layers.attention import StepLayout, TorchAttentionMetadata
 from qwenbatch.loader.hf import load_hf_model
 
 PROMPTS = [
@@ -29,8 +29,11 @@ def our_logits(model, token_ids: list[int]) -> torch.Tensor:
         for _ in range(cfg.num_hidden_layers)
     ]
     n = len(token_ids)
-    meta = AttentionMetadata(torch.arange(n), [PrefillSpan(0, n, n, None)], None, None, None)
+    layout = StepLayout(block_size)
+    layout.add_prefill(token_ids, list(range(blocks)), 0)
+    meta = TorchAttentionMetadata.build(layout, torch.device("cpu"))
     with torch.inference_mode():
+        model.model.rotary.reserve(n, torch.device("cpu"))
         hidden = model(torch.tensor(token_ids), torch.arange(n), kv, meta)
         return model.compute_logits(hidden)
 

@@ -14,6 +14,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 TASKS = ("auto", "generate", "rerank")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -69,8 +71,13 @@ class EngineConfig:
 
     model: str = "default"  # "default", a Hugging Face folder, a .gguf file, or a dummy shape name
     load_format: str = "auto"  # "auto" or "dummy" (random weights of the model's shape)
-    dtype: str = "auto"  # auto: bfloat16 where the CPU has native bf16 matmuls, else float32
-    device: str = "cpu"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and where the CPU has native bf16 matmuls, else float32
+    device: str = "auto"  # auto: cuda when torch sees a CUDA device, else cpu
+    # Share of the GPU's memory this engine may hold (weights, activations, KV pool), as vLLM's flag.
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # CUDA: no decode graphs (vLLM's flag)
+    # auto: Triton kernels on CUDA, PyTorch on CPU; triton on CPU runs under TRITON_INTERPRET=1 (tests).
+    attention_backend: str = "auto"
     max_model_len: int | None = None  # default: the model's context length, capped by the KV pool
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -89,8 +96,15 @@ class EngineConfig:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.device != "cpu":
-            raise ValueError(f"device must be cpu (the CUDA path is not built yet), got {self.device!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device cuda: no CUDA device is visible to torch (torch.cuda.is_available() is False)")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {util!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -100,6 +114,8 @@ class EngineConfig:
         kv = self.kv_cache_memory
         if kv is not None and (kv <= 0 or (isinstance(kv, float) and kv >= 1)):
             raise ValueError(f"kv_cache_memory must be a byte count or a fraction in (0, 1), got {kv!r}")
+        if isinstance(kv, float) and self.resolved_device.type == "cuda":
+            raise ValueError("on CUDA, size the KV cache with gpu_memory_utilization (or kv_cache_memory in bytes)")
 
     @property
     def resolved_task(self) -> str:
@@ -110,8 +126,25 @@ class EngineConfig:
         return "rerank" if "reranker" in name.lower() else "generate"
 
     @property
+    def resolved_device(self) -> torch.device:
+        """The device "auto" stands for: CUDA when torch sees one, else the CPU."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        """The attention kernels: Triton on CUDA, PyTorch's on CPU, unless set."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.resolved_device.type == "cuda" else "torch"
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        """The dtype to run in; "auto" picks the fastest one this CPU has (float16 never is)."""
+        """The dtype to run in; "auto" picks the fastest one the device has (bfloat16 on CUDA; float16 is
+        never the fastest on CPU)."""
+        if self.resolved_device.type == "cuda":
+            return torch.bfloat16 if self.dtype == "auto" else DTYPES[self.dtype]
         if self.dtype == "auto":
             return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         if self.dtype != "float32" and not cpu_has_native_bf16():
@@ -132,6 +165,8 @@ class EngineConfig:
                 values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
             elif f.type in ("int", "int | None"):
                 values[f.name] = int(raw)
+            elif f.type == "float":
+                values[f.name] = float(raw)
             else:
                 values[f.name] = raw
         values.update({k: v for k, v in overrides.items() if v is not None})

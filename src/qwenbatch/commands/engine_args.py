@@ -35,7 +35,28 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16"],
         default=None,
-        help="weights and activations (auto: bfloat16, the fast dtype on CPU)",
+        help="weights and activations (auto: bfloat16 on CUDA and on CPUs with native bf16, else float32)",
+    )
+    g.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default=None, help="auto: cuda when a GPU is visible, else cpu"
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="CUDA: share of the GPU's memory for weights, activations and the KV pool (default 0.9)",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs",
+    )
+    g.add_argument(
+        "--attention-backend",
+        choices=["auto", "torch", "triton"],
+        default=None,
+        help="auto: Triton kernels on CUDA, PyTorch on CPU",
     )
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     if not sweep:

@@ -8,11 +8,11 @@ import logging
 import math
 import time
 
-import psutil
 import torch
 
 from qwenbatch.config import EngineConfig
 from qwenbatch.engine.block_manager import BlockManager
+from qwenbatch.engine.memory import gpu_kv_cache_budget, kv_cache_budget
 from qwenbatch.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
 from qwenbatch.engine.request import EngineRequest
 from qwenbatch.engine.scheduler import Scheduler
@@ -27,7 +27,6 @@ from qwenbatch.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_CAP = 4 * 2**30  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE)
 NOT_A_RERANKER = "this model does not score pairs: serve a Qwen3-Reranker, or pass --task rerank"
 SCORE_PARAMS = SamplingParams(temperature=0, max_tokens=1)  # placeholder: score-only sequences never sample
 
@@ -37,24 +36,13 @@ def _check_priority(priority: int) -> None:
         raise TypeError(f"priority must be an int, not {type(priority).__name__}")
 
 
-def kv_cache_budget(setting: int | float | None) -> int:
-    """Bytes for the KV pool: as set, a fraction of available memory (checked after loading the weights),
-    or by default 4 GiB capped at a quarter of what is available."""
-    available = psutil.virtual_memory().available
-    if setting is None:
-        return min(DEFAULT_KV_CACHE_CAP, available // 4)
-    if isinstance(setting, float):
-        return int(setting * available)
-    return setting
-
-
 class LLMEngine:
     """Continuous batching over one model: ``add_request``, then ``step`` until ``has_unfinished`` is False."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.dtype = config.torch_dtype
-        device = torch.device(config.device)
+        device = self.device = config.resolved_device
         torch.manual_seed(config.seed)
         loaded = load_model(config.model, config.load_format, self.dtype, device, config.seed)
         self.model_config = loaded.config
@@ -68,8 +56,17 @@ class LLMEngine:
                 raise ValueError("--task rerank needs a tokenizer (dummy weights: pass --tokenizer default)")
             score_ids = score_token_ids(self.tokenizer)
 
+        self.runner = ModelRunner(
+            loaded.model,
+            loaded.config,
+            config.block_size,
+            self.dtype,
+            device,
+            config.resolved_attention_backend,
+            score_ids,
+        )
         per_token = kv_cache_bytes_per_token(loaded.config, self.dtype)
-        kv_bytes = kv_cache_budget(config.kv_cache_memory)
+        kv_bytes = self._kv_cache_bytes()
         num_blocks = kv_bytes // (per_token * config.block_size)
         if num_blocks < 1:
             raise ValueError(
@@ -80,15 +77,36 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len(pool_tokens)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(
-            loaded.model, loaded.config, num_blocks, config.block_size, self.dtype, device, score_ids
-        )
+        self.runner.allocate_kv_cache(num_blocks)
+        if device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self._rerank_formatter = None
         if self.task == "rerank":
             self._rerank_formatter = RerankFormatter(self.tokenizer, min(DEFAULT_MAX_LENGTH, self.max_model_len))
         self._requests: dict[str, EngineRequest] = {}
         self._seq_ids = itertools.count()
         self._stats = IterationStats()
+
+    def _kv_cache_bytes(self) -> int:
+        """The KV pool's size: on CUDA what ``gpu_memory_utilization`` leaves after the weights and a
+        worst-case step (unless ``kv_cache_memory`` sets it); on CPU as ``kv_cache_memory`` says."""
+        config = self.config
+        if self.device.type != "cuda" or isinstance(config.kv_cache_memory, int):
+            return kv_cache_budget(config.kv_cache_memory)
+        num_tokens = config.max_num_batched_tokens
+        peak = self.runner.profile_step_peak(num_tokens, min(config.max_num_seqs, num_tokens))
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = gpu_kv_cache_budget(total, free, peak, config.gpu_memory_utilization)
+        logger.info(
+            "GPU memory: %.2f GiB in use after loading, worst-case step %.2f GiB, KV pool %.2f GiB "
+            "(gpu_memory_utilization %.2f of %.2f GiB)",
+            (total - free) / 2**30,
+            peak / 2**30,
+            budget / 2**30,
+            config.gpu_memory_utilization,
+            total / 2**30,
+        )
+        return budget
 
     def _resolve_max_model_len(self, pool_tokens: int) -> int:
         model_len = self.model_config.max_position_embeddings

@@ -1,4 +1,8 @@
-"""Owns the KV cache; packs a scheduled step into one flat batch, runs the model and the sampler."""
+"""Owns the KV cache; packs a scheduled step into one flat batch, runs the model and the sampler.
+
+Only this module knows the device: the same scheduler output runs on the CPU (PyTorch attention,
+oneDNN linears) or on CUDA (Triton attention, decode steps replayed as CUDA graphs).
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,11 @@ import torch
 from torch import nn
 
 from qwenbatch.engine.scheduler import SchedulerOutput
-from qwenbatch.layers.attention import AttentionMetadata, PrefillSpan
+from qwenbatch.layers.attention import AttentionMetadata, StepLayout, TorchAttentionMetadata
 from qwenbatch.layers.linear import onednn_available, pack_linears
 from qwenbatch.layers.sampler import SamplingRow, sample
 from qwenbatch.models.config import ModelConfig
+from qwenbatch.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +39,38 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return cfg.kv_bytes_per_token * torch.tensor([], dtype=dtype).element_size()
 
 
+def pack_step(sched: SchedulerOutput, block_size: int) -> tuple[StepLayout, list[int]]:
+    """The step's packed layout (decoding sequences first) and, per sampling sequence in scheduling
+    order, the row whose hidden state it samples from."""
+    layout = StepLayout(block_size)
+    last_row: dict[int, int] = {}
+    prefills = []
+    for i, s in enumerate(sched.scheduled):
+        seq, start = s.seq, s.seq.num_computed_tokens
+        if s.num_new_tokens == 1 and start > 0:
+            last_row[i] = layout.num_tokens
+            layout.add_decode(seq.token_ids[start], seq.block_table, start + 1)
+        else:
+            prefills.append(i)
+    for i in prefills:
+        s = sched.scheduled[i]
+        start = s.seq.num_computed_tokens
+        layout.add_prefill(s.seq.token_ids[start : start + s.num_new_tokens], s.seq.block_table, start)
+        last_row[i] = layout.num_tokens - 1
+    return layout, [last_row[i] for i, s in enumerate(sched.scheduled) if s.samples]
+
+
 class ModelRunner:
+    """Runs steps of one model on one device; ``allocate_kv_cache`` must be called before ``execute``."""
+
     def __init__(
         self,
         model: nn.Module,
         cfg: ModelConfig,
-        num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        attention_backend: str = "torch",
         score_token_ids: tuple[int, int] | None = None,
     ) -> None:
         # The reranker's two LM-head rows ("no", "yes"), in float32, taken before packing changes the layout.
@@ -54,69 +82,85 @@ class ModelRunner:
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
+        self.dtype = dtype
         self.device = device
-        shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches: list[torch.Tensor] = []
+        self._graphs = None
+        if attention_backend == "triton":
+            from qwenbatch.layers.triton_backend import TritonAttentionMetadata
+
+            self._metadata_class: type[AttentionMetadata] = TritonAttentionMetadata
+        else:
+            self._metadata_class = TorchAttentionMetadata
+        logger.info("attention backend: %s on %s", attention_backend, device)
+
+    def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        shape = (2, num_blocks, self.block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
         # Uninitialised on purpose: zero-filling gigabytes costs seconds of page faults at start-up,
         # and every slot is written before it is read (decode padding points at real slots).
-        self.kv_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        return [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.cfg.num_hidden_layers)]
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = self._new_kv_caches(num_blocks)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB",
             num_blocks,
-            block_size,
-            num_blocks * block_size,
-            num_blocks * block_size * kv_cache_bytes_per_token(cfg, dtype) / 2**30,
+            self.block_size,
+            num_blocks * self.block_size,
+            num_blocks * self.block_size * kv_cache_bytes_per_token(self.cfg, self.dtype) / 2**30,
         )
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        blocks = torch.tensor(block_table, dtype=torch.long)[pos // self.block_size]
-        return blocks * self.block_size + pos % self.block_size
+    @torch.inference_mode()
+    def profile_step_peak(self, num_tokens: int, num_sample_rows: int) -> int:
+        """CUDA: the bytes a worst-case step allocates beyond what is held now: one prefill of ``num_tokens``
+        tokens (with a KV cache just big enough for it), then the logits and a top-p sampler's scratch for
+        ``num_sample_rows`` rows."""
+        blocks = -(-num_tokens // self.block_size)
+        caches = self._new_kv_caches(blocks)
+        layout = StepLayout(self.block_size)
+        layout.add_prefill([0] * num_tokens, list(range(blocks)), 0)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        held = torch.cuda.memory_allocated(self.device)
+        hidden = self._forward(layout, caches)
+        rows = torch.arange(num_sample_rows, device=self.device) % num_tokens
+        worst = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)
+        sample(self.model.compute_logits(hidden[rows]), [SamplingRow(worst, [], [], None, ())] * num_sample_rows)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - held
+        del hidden, caches
+        torch.cuda.empty_cache()  # start-up only: let the KV pool have what the profile step cached
+        return peak
 
-    def _prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        prefills: list[PrefillSpan] = []
-        decode_rows: list[int] = []
-        decode_ctx: list[tuple[list[int], int]] = []
-        sample_rows: list[int] = []
-        row = 0
-        for s in sched.scheduled:
-            seq, n = s.seq, s.num_new_tokens
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.append(torch.arange(start, end))
-            slots.append(self._slots(seq.block_table, start, end))
-            if n == 1 and start > 0:
-                decode_rows.append(row)
-                decode_ctx.append((seq.block_table, end))
-            else:
-                kv_slots = None if start == 0 else self._slots(seq.block_table, 0, end)
-                prefills.append(PrefillSpan(row, n, end, kv_slots))
-            row += n
-            if s.samples:
-                sample_rows.append(row - 1)
-        meta = AttentionMetadata(torch.cat(slots), prefills, None, None, None)
-        if decode_rows:
-            max_len = max(length for _, length in decode_ctx)
-            kv = torch.empty(len(decode_rows), max_len, dtype=torch.long)
-            mask = torch.zeros(len(decode_rows), 1, 1, max_len, dtype=torch.bool)
-            for i, (table, length) in enumerate(decode_ctx):
-                kv[i, :length] = self._slots(table, 0, length)
-                # Padding repeats the sequence's first slot: masked out, but finite (0 x NaN is NaN).
-                kv[i, length:] = table[0] * self.block_size
-                mask[i, ..., :length] = True
-            meta.decode_rows = torch.tensor(decode_rows)
-            meta.decode_kv_slots = kv
-            meta.decode_mask = mask
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        return ids, torch.cat(positions).to(self.device), meta, sample_rows
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """CUDA: capture decode steps for the batch-size ladder (see engine/cuda_graphs.py)."""
+        from qwenbatch.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+
+        self.model.reserve_positions(max_model_len, self.device)
+        max_blocks = -(-max_model_len // self.block_size)
+
+        def forward(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+            return self.model(ids, positions, self.kv_caches, meta)
+
+        with torch.inference_mode():
+            self._graphs = DecodeGraphs(forward, graph_batch_sizes(max_num_seqs), max_blocks, self.device)
+
+    def _forward(self, layout: StepLayout, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        self.model.reserve_positions(max(layout.positions) + 1, self.device)
+        if self._graphs is not None and kv_caches is self.kv_caches:
+            hidden = self._graphs.run(layout)
+            if hidden is not None:
+                return hidden
+        meta = self._metadata_class.build(layout, self.device)
+        ids = torch.tensor(layout.input_ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(layout.positions, dtype=torch.long, device=self.device)
+        return self.model(ids, positions, kv_caches, meta)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, rows: list[SamplingRow]) -> ModelRunnerOutput:
         """Run one step; ``rows`` describes, in order, each scheduled sequence that samples."""
-        ids, positions, meta, sample_rows = self._prepare(sched)
-        hidden = self.model(ids, positions, self.kv_caches, meta)
+        layout, sample_rows = pack_step(sched, self.block_size)
+        hidden = self._forward(layout, self.kv_caches)
         sampling = [s.seq for s in sched.scheduled if s.samples]
         generate_rows = [r for r, seq in zip(sample_rows, sampling, strict=True) if not seq.score_only]
         score_rows = [r for r, seq in zip(sample_rows, sampling, strict=True) if seq.score_only]

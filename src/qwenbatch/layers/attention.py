@@ -1,93 +1,180 @@
-"""Paged attention over packed variable-length batches (CPU path).
+"""Paged attention over packed variable-length batches: the step's layout and the PyTorch backend.
 
 The KV cache of one layer is a tensor ``[2, num_blocks, block_size, kv_heads, head_dim]``. Each
-step's tokens arrive packed (no padding in the matmuls); ``AttentionMetadata`` says where each
-token's K/V is written and which cached slots each sequence attends to. The index tensors are
-built once per step by the model runner and shared by every layer.
+step's tokens arrive packed (no padding in the matmuls), decoding sequences first (one token each),
+then prompt chunks. ``StepLayout`` says, in plain Python, where each token's K/V goes and what each
+sequence attends to; a backend turns it once per step into its own ``AttentionMetadata`` (index
+tensors shared by every layer), whose ``attend`` the model calls in each layer:
+
+- ``TorchAttentionMetadata`` (here): PyTorch's scaled_dot_product_attention, the CPU path;
+- ``TritonAttentionMetadata`` (layers/triton_backend.py): Triton kernels reading K/V through the
+  block tables in place, the CUDA path (and, under TRITON_INTERPRET=1, a CPU test of it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 
 @dataclass
-class PrefillSpan:
+class PrefillChunk:
     """One sequence that computes several query tokens this step (a prompt or a prompt chunk)."""
 
     query_start: int  # first row of this sequence's tokens in the packed batch
-    query_len: int  # number of query tokens this step
+    query_len: int  # query tokens this step: the last query_len positions of the context
     context_len: int  # tokens attended to: cached ones plus this step's
-    # Flat cache slots of all context tokens, or None when the whole context is this step's
-    # tokens (a fresh prompt): then the K/V just computed are used without a gather.
+    block_table: list[int]  # the sequence's KV blocks, in order
+
+
+@dataclass
+class StepLayout:
+    """The packed batch of one step, decodes first: rows [0, len(decode_lens)) decode one token each."""
+
+    block_size: int
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)  # flat cache slot receiving each row's K/V
+    decode_tables: list[list[int]] = field(default_factory=list)  # per decode row: its block table
+    decode_lens: list[int] = field(default_factory=list)  # per decode row: context length, its new token included
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decode_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def add_decode(self, token: int, block_table: list[int], context_len: int) -> None:
+        pos = context_len - 1
+        self.input_ids.append(token)
+        self.positions.append(pos)
+        self.slot_mapping.append(block_table[pos // self.block_size] * self.block_size + pos % self.block_size)
+        self.decode_tables.append(block_table)
+        self.decode_lens.append(context_len)
+
+    def add_prefill(self, tokens: list[int], block_table: list[int], start: int) -> None:
+        """``tokens`` are the sequence's positions [start, start + len(tokens))."""
+        end = start + len(tokens)
+        self.prefills.append(PrefillChunk(self.num_tokens, len(tokens), end, block_table))
+        self.input_ids.extend(tokens)
+        self.positions.extend(range(start, end))
+        self.slot_mapping.extend(slots_of(block_table, start, end, self.block_size).tolist())
+
+
+def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> np.ndarray:
+    """Flat cache slots of positions [start, end) of a sequence with ``block_table``."""
+    pos = np.arange(start, end)
+    return np.asarray(block_table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
+
+
+class AttentionMetadata(ABC):
+    """A step's attention layout in one backend's tensors, built once per step, used by every layer."""
+
+    @abstractmethod
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Write k/v into the cache, attend, and return ``[T, heads * head_dim]``.
+
+        q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim], rows in the step's packed order.
+        Causality inside a chunk is bottom-right aligned (its queries are the context's last ones).
+        """
+
+
+@dataclass
+class _TorchPrefill:
+    rows: slice
+    query_len: int
+    context_len: int
+    # Flat slots of the whole context, or None for a fresh prompt: its K/V are this step's own.
     kv_slots: torch.Tensor | None
 
 
 @dataclass
-class AttentionMetadata:
-    """Per-step attention layout shared by all layers."""
+class TorchAttentionMetadata(AttentionMetadata):
+    """PyTorch's scaled_dot_product_attention per prefill chunk, and one padded call for all decodes."""
 
-    slot_mapping: torch.Tensor  # [T] flat cache slot that receives each packed token's K/V
-    prefills: list[PrefillSpan]
-    # Sequences decoding one token this step, attended in one padded call:
-    decode_rows: torch.Tensor | None  # [D] their rows in the packed batch
+    slot_mapping: torch.Tensor  # [T]
+    prefills: list[_TorchPrefill]
+    num_decodes: int
     decode_kv_slots: torch.Tensor | None  # [D, L_max] flat slots of each one's context, padded with a real slot
     decode_mask: torch.Tensor | None  # [D, 1, 1, L_max] True where a slot is real context
 
+    @classmethod
+    def build(cls, layout: StepLayout, device: torch.device) -> TorchAttentionMetadata:
+        bs = layout.block_size
+        prefills = [
+            _TorchPrefill(
+                slice(p.query_start, p.query_start + p.query_len),
+                p.query_len,
+                p.context_len,
+                None
+                if p.query_len == p.context_len
+                else torch.from_numpy(slots_of(p.block_table, 0, p.context_len, bs)).to(device),
+            )
+            for p in layout.prefills
+        ]
+        kv_slots = mask = None
+        if layout.num_decodes:
+            max_len = max(layout.decode_lens)
+            slots = np.empty((layout.num_decodes, max_len), dtype=np.int64)
+            valid = np.zeros((layout.num_decodes, 1, 1, max_len), dtype=bool)
+            for i, (table, length) in enumerate(zip(layout.decode_tables, layout.decode_lens, strict=True)):
+                slots[i, :length] = slots_of(table, 0, length, bs)
+                # Padding repeats the sequence's first slot: masked out, but finite (0 x NaN is NaN).
+                slots[i, length:] = table[0] * bs
+                valid[i, ..., :length] = True
+            kv_slots, mask = torch.from_numpy(slots).to(device), torch.from_numpy(valid).to(device)
+        slot_mapping = torch.tensor(layout.slot_mapping, dtype=torch.long, device=device)
+        return cls(slot_mapping, prefills, layout.num_decodes, kv_slots, mask)
 
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Write k/v into the cache, attend, and return ``[T, heads * head_dim]``.
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        num_tokens, heads, head_dim = q.shape
+        kv_heads = k.shape[1]
+        k_flat = kv_cache[0].view(-1, kv_heads, head_dim)
+        v_flat = kv_cache[1].view(-1, kv_heads, head_dim)
+        k_flat.index_copy_(0, self.slot_mapping, k)
+        v_flat.index_copy_(0, self.slot_mapping, v)
 
-    q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]. Grouped-query attention is handled
-    by SDPA's ``enable_gqa``; causality inside a chunk is bottom-right aligned (the chunk's
-    queries are the last ``query_len`` positions of the context).
-    """
-    num_tokens, heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    k_flat = kv_cache[0].view(-1, kv_heads, head_dim)
-    v_flat = kv_cache[1].view(-1, kv_heads, head_dim)
-    k_flat.index_copy_(0, meta.slot_mapping, k)
-    v_flat.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        for span in self.prefills:
+            rows = span.rows
+            if span.kv_slots is None:
+                kk, vv = k[rows], v[rows]
+            else:
+                kk, vv = k_flat[span.kv_slots], v_flat[span.kv_slots]
+            if span.query_len == span.context_len:
+                mask, causal = None, True
+            else:
+                mask, causal = _chunk_causal_mask(span.query_len, span.context_len, q.device), False
+            o = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1),
+                kk.transpose(0, 1),
+                vv.transpose(0, 1),
+                attn_mask=mask,
+                is_causal=causal,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[rows] = o.transpose(0, 1)
 
-    out = torch.empty_like(q)
-    for span in meta.prefills:
-        rows = slice(span.query_start, span.query_start + span.query_len)
-        if span.kv_slots is None:
-            kk, vv = k[rows], v[rows]
-        else:
-            kk, vv = k_flat[span.kv_slots], v_flat[span.kv_slots]
-        if span.query_len == span.context_len:
-            mask, causal = None, True
-        else:
-            mask, causal = _chunk_causal_mask(span.query_len, span.context_len, q.device), False
-        o = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1),
-            kk.transpose(0, 1),
-            vv.transpose(0, 1),
-            attn_mask=mask,
-            is_causal=causal,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[rows] = o.transpose(0, 1)
-
-    if meta.decode_rows is not None:
-        qd = q[meta.decode_rows][:, :, None, :]  # [D, heads, 1, head_dim]
-        kd = k_flat[meta.decode_kv_slots].transpose(1, 2)  # [D, kv_heads, L, head_dim]
-        vd = v_flat[meta.decode_kv_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-        out[meta.decode_rows] = o[:, :, 0, :]
-    return out.view(num_tokens, heads * head_dim)
+        if self.num_decodes:
+            d = self.num_decodes
+            qd = q[:d, :, None, :]  # [D, heads, 1, head_dim]
+            kd = k_flat[self.decode_kv_slots].transpose(1, 2)  # [D, kv_heads, L, head_dim]
+            vd = v_flat[self.decode_kv_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=scale, enable_gqa=True)
+            out[:d] = o[:, :, 0, :]
+        return out.view(num_tokens, heads * head_dim)
 
 
 def _chunk_causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor:

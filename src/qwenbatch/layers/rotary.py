@@ -9,8 +9,8 @@ from torch import nn
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to packed queries and keys given each token's absolute position.
 
-    The cos/sin table is computed in float32 and grown on demand, so a 262k-position model
-    pays only for the positions it actually sees.
+    The cos/sin table is computed in float32 and grown on demand (``reserve``), so a 262k-position
+    model pays only for the positions it actually sees.
     """
 
     def __init__(self, head_dim: int, base: float) -> None:
@@ -20,23 +20,23 @@ class RotaryEmbedding(nn.Module):
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
 
-    def _table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cos.shape[0] < length or self._cos.device != device:
-            size = max(length, 2 * self._cos.shape[0], 4096)
-            inv_freq = 1.0 / (
-                self.base
-                ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim)
-            )
-            freqs = torch.arange(size, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos, self._sin = emb.cos(), emb.sin()
-        return self._cos, self._sin
+    def reserve(self, length: int, device: torch.device) -> None:
+        """Make the table cover positions [0, length) on ``device``; the runner calls this before a step,
+        from positions it knows on the host, so ``forward`` never reads a device value (CUDA graphs)."""
+        if self._cos.shape[0] >= length and self._cos.device == device:
+            return
+        size = max(length, 2 * self._cos.shape[0], 4096)
+        inv_freq = 1.0 / (
+            self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim)
+        )
+        freqs = torch.arange(size, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos, self._sin = emb.cos(), emb.sin()
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, head_dim]`` for the packed tokens' positions; computed once per step
-        and shared by every layer."""
-        cos_table, sin_table = self._table(int(positions.max()) + 1, positions.device)
-        return cos_table[positions].to(dtype)[:, None, :], sin_table[positions].to(dtype)[:, None, :]
+        """cos and sin ``[T, 1, head_dim]`` for the packed tokens' positions (covered by ``reserve``);
+        computed once per step and shared by every layer."""
+        return self._cos[positions].to(dtype)[:, None, :], self._sin[positions].to(dtype)[:, None, :]
 
 
 def apply_rotary(

@@ -40,9 +40,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         logits = logits.clone()
         for i in needs_edit:
             _apply_penalties(logits[i], rows[i])
-    greedy = torch.tensor([r.params.greedy for r in rows])
     tokens = logits.argmax(dim=-1)
-    random_rows = (~greedy).nonzero().flatten().tolist()
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         tokens[random_rows] = _sample_random(logits[random_rows], [rows[i] for i in random_rows])
     token_list = tokens.tolist()
@@ -76,40 +75,60 @@ def _apply_penalties(row_logits: torch.Tensor, row: SamplingRow) -> None:
         row_logits[list(row.suppressed_token_ids)] = float("-inf")
     if not p.has_penalties:
         return
+    device = row_logits.device
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+        seen = torch.tensor(
+            sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long, device=device
+        )
         if seen.numel():
             vals = row_logits[seen]
             row_logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if row.output_token_ids and (p.presence_penalty or p.frequency_penalty):
-        counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=vocab).float()
+        ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=device)
+        counts = torch.bincount(ids, minlength=vocab).float()
         row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
+    device = logits.device
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=device)
     logits = logits / temps[:, None]
     if any(r.params.top_k or r.params.top_p < 1.0 for r in rows):
         logits = _top_k_top_p(logits, rows)
     probs = torch.softmax(logits, dim=-1)
     if any(r.params.min_p for r in rows):
-        min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype)
+        min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype, device=device)
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-    # Exponential race (Gumbel-max in another form): argmax(p / E) with E ~ Exp(1) samples from p,
-    # and lets each seeded request draw its noise from its own generator.
-    noise = torch.empty_like(probs)
-    for i, r in enumerate(rows):
-        noise[i].exponential_(generator=r.generator)
-    return (probs / noise).argmax(dim=-1)
+    return (probs / _exponential_noise(probs, rows)).argmax(dim=-1)
+
+
+def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """E ~ Exp(1) per entry, for the exponential race (Gumbel-max in another form): argmax(p / E) samples
+    from p. A seeded request draws its row from its own (CPU) generator, so its tokens are the same on
+    every device; the other rows are drawn in one call on the device, with no per-row host work there."""
+    if probs.device.type == "cpu":
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(rows):
+            noise[i].exponential_(generator=r.generator)
+        return noise
+    noise = torch.empty_like(probs).exponential_()
+    seeded = [i for i, r in enumerate(rows) if r.generator is not None]
+    if seeded:
+        cpu_rows = torch.empty(len(seeded), probs.shape[-1], dtype=probs.dtype)
+        for j, i in enumerate(seeded):
+            cpu_rows[j].exponential_(generator=rows[i].generator)
+        noise[seeded] = cpu_rows.to(probs.device)
+    return noise
 
 
 def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    top_k = torch.tensor([min(r.params.top_k, vocab) or vocab for r in rows])
-    ranks = torch.arange(vocab)[None, :]
+    device = logits.device
+    top_k = torch.tensor([min(r.params.top_k, vocab) or vocab for r in rows], device=device)
+    ranks = torch.arange(vocab, device=device)[None, :]
     mask = ranks >= top_k[:, None]
-    top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype)
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=device)
     probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
     # Drop a token when the mass before it already reaches top_p (the first token always stays).
     mask |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwenbatch.layers.attention import AttentionMetadata, paged_attention
+from qwenbatch.layers.attention import AttentionMetadata
 from qwenbatch.layers.norm import RMSNorm
 from qwenbatch.layers.rotary import RotaryEmbedding, apply_rotary
 from qwenbatch.models.config import ModelConfig
@@ -38,7 +38,7 @@ class QwenAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
-        return self.o_proj(paged_attention(q, k, v, kv_cache, meta, self.scale))
+        return self.o_proj(meta.attend(q, k, v, kv_cache, self.scale))
 
 
 class QwenMLP(nn.Module):
@@ -126,6 +126,10 @@ class QwenForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def reserve_positions(self, length: int, device: torch.device) -> None:
+        """Make the rotary table cover positions [0, length) before a forward reads them."""
+        self.model.rotary.reserve(length, device)
 
     def checkpoint_names(self) -> dict[str, tuple[str, slice]]:
         """Map every checkpoint tensor name this model expects to (our parameter, rows it fills)."""
