@@ -64,14 +64,16 @@ def run_static(model, requests: list[BenchRequest], batch_size: int, pad_id: int
             mask[row, width - len(r.prompt_token_ids) :] = 1
         with torch.inference_mode():
             model.generate(
-                input_ids=ids,
-                attention_mask=mask,
+                input_ids=ids.to(model.device),
+                attention_mask=mask.to(model.device),
                 do_sample=False,
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,
                 pad_token_id=pad_id,
                 eos_token_id=None,
             )
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
         computed += len(batch) * (width + new_tokens)
         latencies += [time.perf_counter() - start] * len(batch)
     return StaticRun(

@@ -64,3 +64,35 @@ class PeakRSS:
     @property
     def peak_mib(self) -> float:
         return self.peak_bytes / 2**20
+
+
+class PeakGPUMemory:
+    """The CUDA allocator's peaks while the ``with`` block runs (``torch.cuda.reset_peak_memory_stats``
+    at the start): what the guides size GPU batches by, with the KV pool's bytes beside them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak_allocated = self.peak_reserved = 0
+
+    def __enter__(self) -> PeakGPUMemory:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.synchronize(self.device)
+        self.peak_allocated = torch.cuda.max_memory_allocated(self.device)
+        self.peak_reserved = torch.cuda.max_memory_reserved(self.device)
+
+
+def gpu_memory_report(gpu: PeakGPUMemory, engine, peak_kv_usage: float) -> dict:
+    """Peak allocated and reserved GPU memory, the KV pool's share, and the memory the run needed: the
+    peak less the part of the (preallocated) KV pool it never filled."""
+    pool = engine.runner.kv_cache_bytes
+    return {
+        "peak_gpu_allocated_mib": gpu.peak_allocated / 2**20,
+        "peak_gpu_reserved_mib": gpu.peak_reserved / 2**20,
+        "kv_pool_mib": pool / 2**20,
+        "kv_pool_share": pool / max(gpu.peak_reserved, 1),
+        "gpu_memory_needed_mib": (gpu.peak_allocated - pool * (1 - peak_kv_usage)) / 2**20,
+    }

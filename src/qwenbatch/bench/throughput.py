@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from qwenbatch.bench.machine import PeakRSS, copy_bandwidth_gbs, gemm_gflops
+from qwenbatch.bench.machine import PeakGPUMemory, PeakRSS, copy_bandwidth_gbs, gemm_gflops, gpu_memory_report
 from qwenbatch.bench.workloads import BenchRequest
 from qwenbatch.config import EngineConfig
 from qwenbatch.models.config import ModelConfig
@@ -51,16 +52,21 @@ def run_ours(config: EngineConfig, requests: list[BenchRequest], llm=None) -> tu
     """Run ``requests`` on our engine (greedy, eos ignored); returns the result and the LLM for reuse."""
     from qwenbatch.llm import LLM
 
+    peak_kv = 0.0
     with PeakRSS() as rss:
         llm = llm or LLM(**vars(config))
+        on_gpu = llm.engine.device.type == "cuda"
         bm = llm.engine.block_manager
         hits0, queries0, preempt0 = bm.prefix_cache_hits, bm.prefix_cache_queries, llm.engine.scheduler.num_preemptions
         params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=r.ignore_eos) for r in requests]
-        start = time.perf_counter()
-        outputs = list(
-            llm.generate_iter([r.prompt_token_ids for r in requests], params, use_tqdm=True, total=len(requests))
-        )
-        wall = time.perf_counter() - start
+        with PeakGPUMemory(llm.engine.device) if on_gpu else nullcontext() as gpu:
+            start = time.perf_counter()
+            outputs = []
+            prompts = [r.prompt_token_ids for r in requests]
+            for item in llm.generate_iter(prompts, params, use_tqdm=True, total=len(requests)):
+                outputs.append(item)
+                peak_kv = max(peak_kv, llm.engine.scheduler_stats().kv_cache_usage)
+            wall = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for _, o in outputs)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     hits = bm.prefix_cache_hits - hits0
@@ -76,7 +82,11 @@ def run_ours(config: EngineConfig, requests: list[BenchRequest], llm=None) -> tu
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "prefix_caching": config.enable_prefix_caching,
+        "device": llm.engine.device.type,
+        "linear_kernels": llm.engine.runner.linear_kernels,
     }
+    if on_gpu:
+        extra.update(gpu_memory_report(gpu, llm.engine, peak_kv))
     result = SystemResult("qwenbatch", len(requests), prompt_tokens, produced, wall, rss.peak_mib, extra)
     return result, llm
 

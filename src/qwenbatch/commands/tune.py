@@ -63,6 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the sub-command; returns the exit code (bad input raises ValueError for a one-line message)."""
     import psutil
+    import torch
 
     from qwenbatch.tune.analysis import analyze
     from qwenbatch.tune.recommend import NoSettingFits, Rules, recommend
@@ -92,7 +93,9 @@ def run(args: argparse.Namespace) -> int:
         measurements = run_server_sweep(args.server, workload.sample, settings, args.api_key)
     else:
         measurements = run_sweep(config, workload.sample, settings, args.output / "runs", args.setting_timeout)
-    limit = args.memory_limit or psutil.virtual_memory().total
+    # On CUDA the limit is GPU memory, as the measurements are.
+    on_gpu = config.resolved_device.type == "cuda" and not args.server
+    limit = args.memory_limit or (torch.cuda.mem_get_info()[1] if on_gpu else psutil.virtual_memory().total)
     slo_s = None if args.latency_slo_ms is None else args.latency_slo_ms / 1000
     rules = Rules(memory_limit_mib=limit / 2**20, latency_slo_s=slo_s)
     try:

@@ -379,6 +379,7 @@ class LLMEngine:
             kv_cache_usage=1.0 - bm.num_free_blocks / bm.num_blocks,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
+            kv_cache_bytes=self.runner.kv_cache_bytes,
         )
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:

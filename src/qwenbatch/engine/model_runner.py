@@ -77,8 +77,10 @@ class ModelRunner:
         self.score_weight = None
         if score_token_ids is not None:
             self.score_weight = model.lm_head.weight.detach()[list(score_token_ids)].float().clone()
+        self.linear_kernels = "torch"  # recorded in the log and in bench JSON
         if onednn_available(dtype, device):
             pack_linears(model)
+            self.linear_kernels = "onednn-prepacked"
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
@@ -99,6 +101,10 @@ class ModelRunner:
         # Uninitialised on purpose: zero-filling gigabytes costs seconds of page faults at start-up,
         # and every slot is written before it is read (decode padding points at real slots).
         return [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.cfg.num_hidden_layers)]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv_caches)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self._new_kv_caches(num_blocks)

@@ -39,3 +39,4 @@ class SchedulerStats:
     kv_cache_usage: float  # fraction of KV blocks held by sequences, 0..1
     prefix_cache_queries: int  # cumulative prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # cumulative prompt tokens found there
+    kv_cache_bytes: int = 0  # size of the KV pool (preallocated at start-up)

@@ -66,7 +66,7 @@ def build_app(
 ) -> FastAPI:
     """The app; the engine loads on a background thread once the server runs (``/health`` says when)."""
     names = settings.served_model_names or [engine_config.model]
-    metrics = ServerMetrics(names[0])
+    metrics = ServerMetrics(names[0], engine_config.resolved_device.type)
     factory = engine_factory or (lambda: LLMEngine(engine_config))
     engine = AsyncEngine(factory, settings.max_waiting_seqs, on_stats=metrics.record, on_fatal=settings.on_fatal)
 

@@ -24,9 +24,11 @@ THROUGHPUT_WINDOW_S = 10.0
 class ServerMetrics:
     """All metrics of one server, in their own registry (so several apps can live in one process)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, device: str = "cpu") -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
+        # process_resident_memory_bytes and friends: the CPU's memory figure (tune --server reads it).
+        prometheus_client.ProcessCollector(registry=r)
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(P + name, doc, labels, registry=r).labels(model_name)
@@ -63,6 +65,17 @@ class ServerMetrics:
         gauge("avg_generation_throughput_toks_per_s", "Generated tokens/s over the last 10 s.").set_function(
             lambda: self._rate(2)
         )
+        self.kv_cache_bytes = gauge("kv_cache_bytes", "Bytes of the preallocated KV pool.")
+        if device == "cuda":
+            import torch
+
+            for name, read, doc in (
+                ("gpu_memory_allocated_bytes", torch.cuda.memory_allocated, "GPU memory held by tensors now."),
+                ("gpu_memory_reserved_bytes", torch.cuda.memory_reserved, "GPU memory the allocator holds now."),
+                ("gpu_memory_peak_allocated_bytes", torch.cuda.max_memory_allocated, "Peak GPU memory of tensors."),
+                ("gpu_memory_peak_reserved_bytes", torch.cuda.max_memory_reserved, "Peak GPU memory reserved."),
+            ):
+                gauge(name, doc).set_function(read)
         self.model_name = model_name
         self._window: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, generated tokens)
         self._lock = threading.Lock()
@@ -73,6 +86,7 @@ class ServerMetrics:
         self.running.set(sched.num_running)
         self.waiting.set(sched.num_waiting)
         self.kv_usage.set(sched.kv_cache_usage)
+        self.kv_cache_bytes.set(sched.kv_cache_bytes)
         self.prompt_tokens.inc(it.num_prompt_tokens)
         self.generation_tokens.inc(it.num_generation_tokens)
         self.preemptions.inc(it.num_preemptions)

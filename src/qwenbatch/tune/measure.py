@@ -38,7 +38,9 @@ class Measurement:
     latency_p95_s: float = 0.0
     ttft_mean_s: float | None = None  # None where it is not measured (transformers)
     ttft_p95_s: float | None = None
-    peak_memory_mib: float | None = None  # RSS on CPU while the requests ran; None against a server
+    # RSS on CPU while the requests ran; on CUDA the GPU memory the run needed (peak allocated less the
+    # part of the preallocated KV pool it never filled); None against a server.
+    peak_memory_mib: float | None = None
     peak_kv_usage: float | None = None  # largest share of KV blocks in use after a step
     preemptions: int = 0
     error: str | None = None
@@ -87,7 +89,9 @@ def _timing_fields(latencies: list[float], ttfts: list[float] | None) -> dict:
 
 def measure_engine(config: EngineConfig, requests: list[BenchRequest]) -> Measurement:
     """Run every request on our engine, all queued at once, greedy; stats come from the engine's own."""
-    from qwenbatch.bench.machine import PeakRSS
+    from contextlib import nullcontext
+
+    from qwenbatch.bench.machine import PeakGPUMemory, PeakRSS, gpu_memory_report
     from qwenbatch.engine.llm_engine import LLMEngine
     from qwenbatch.sampling_params import SamplingParams
 
@@ -96,7 +100,9 @@ def measure_engine(config: EngineConfig, requests: list[BenchRequest]) -> Measur
     engine.take_iteration_stats()
     latencies, ttfts, failed, preemptions, peak_kv = [], [], 0, 0, 0.0
     produced = 0
-    with PeakRSS() as rss:
+    on_gpu = engine.device.type == "cuda"
+    gpu = PeakGPUMemory(engine.device) if on_gpu else nullcontext()
+    with PeakRSS() as rss, gpu:
         start = time.perf_counter()
         for i, r in enumerate(requests):
             params = SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=r.ignore_eos)
@@ -111,6 +117,7 @@ def measure_engine(config: EngineConfig, requests: list[BenchRequest]) -> Measur
             preemptions += stats.num_preemptions
             peak_kv = max(peak_kv, engine.scheduler_stats().kv_cache_usage)
         wall = time.perf_counter() - start
+    peak_memory = gpu_memory_report(gpu, engine, peak_kv)["gpu_memory_needed_mib"] if on_gpu else rss.peak_mib
     return Measurement(
         "qwenbatch",
         config.max_num_seqs,
@@ -120,7 +127,7 @@ def measure_engine(config: EngineConfig, requests: list[BenchRequest]) -> Measur
         prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
         output_tokens=produced,
         wall_s=wall,
-        peak_memory_mib=rss.peak_mib,
+        peak_memory_mib=peak_memory,
         peak_kv_usage=peak_kv,
         preemptions=preemptions,
         **_timing_fields(latencies, ttfts),

@@ -1,0 +1,237 @@
+"""The GPU benchmark of issue 14 (run it through run.sh): one call on a lent GPU, under 8 minutes.
+
+(0) greedy tokens equal transformers' on a tiny random Qwen3, float32, graphs and eager;
+(a) Qwen3-0.6B shape, dummy bfloat16 weights, 500 prompts x 512 random tokens -> 128, ignore_eos;
+(b) nano-vllm's workload: 256 sequences, input and output lengths random in 100-1024, ignore_eos;
+(c) transformers.generate on (b) at its best static batch size, same GPU and dtype;
+(d) batch-1 decode with CUDA graphs against eager.
+``--smoke`` runs all of it on the CPU with a tiny model and the Triton interpreter, so a lent GPU
+never finds a typo. Needs only torch, transformers, tokenizers, safetensors, numpy, tqdm, jinja2,
+psutil, xxhash (no server extras, no gguf).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from qwenbatch import LLM, SamplingParams
+from qwenbatch.bench.baseline import best_batch_size, pad_token_id, run_static
+from qwenbatch.bench.workloads import BenchRequest, random_workload
+
+TINY = dict(  # the smoke model and the parity model: a few layers, GQA 4/2, head_dim 32
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    tie_word_embeddings=True,
+    initializer_range=0.1,
+    eos_token_id=1,
+)
+QWEN3_0_6B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    tie_word_embeddings=True,
+    eos_token_id=151645,
+)
+
+
+def tiny_checkpoint(folder: Path) -> Path:
+    """A tiny random Qwen3 saved by transformers (config.json + safetensors)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(Qwen3Config(**TINY), dtype=torch.float32).save_pretrained(str(folder))
+    return folder
+
+
+def hf_model(shape: dict, dtype: torch.dtype, device: str):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**shape), dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def reset_peak(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_reserved() / 2**30
+    return psutil.Process().memory_info().rss / 2**30
+
+
+def release(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def parity(folder: Path, device: str, engine: dict) -> dict:
+    """(0): our greedy tokens, with and without decode graphs, against transformers' in float32."""
+    prompts = [[5, 17, 42, 99, 3, 250, 7], [300, 12], list(range(10, 200, 3)), [1] * 5 + [200, 201, 202]]
+    steps = 32
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
+    expected = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = ref.generate(
+                torch.tensor([p], device=device),
+                do_sample=False,
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            expected.append(out[0, len(p) :].tolist())
+    del ref
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    result = {}
+    for eager in (False, True) if device == "cuda" else (True,):
+        llm = LLM(model=str(folder), dtype="float32", enforce_eager=eager, **engine)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        result["eager" if eager else "graphs"] = got == expected
+        del llm
+        release(device)
+    return result
+
+
+def run_ours(name: str, requests: list[BenchRequest], engine: dict, device: str) -> dict:
+    """One offline run of ``requests`` (temperature 0.6 as nano-vllm's benchmark, eos ignored)."""
+    llm = LLM(**engine)
+    llm.generate([requests[0].prompt_token_ids], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    params = [SamplingParams(temperature=0.6, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    reset_peak(device)
+    start = time.perf_counter()
+    outs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    result = summary(name, requests, sum(len(o.outputs[0].token_ids) for o in outs), wall, peak_gib(device))
+    result["kv_pool_blocks"] = llm.engine.block_manager.num_blocks
+    del llm
+    release(device)
+    return result
+
+
+def run_transformers(name: str, requests: list[BenchRequest], shape: dict, sizes: list[int], device: str) -> dict:
+    """(c): transformers.generate in length-sorted static batches at its best batch size of a sweep."""
+    model = hf_model(shape, torch.bfloat16 if device == "cuda" else torch.float32, device)
+    pad = pad_token_id(model)
+    best, sweep = best_batch_size(model, requests, sizes, pad)
+    reset_peak(device)
+    run = run_static(model, requests, best, pad)
+    result = summary(name, requests, run.output_tokens, run.wall_s, peak_gib(device))
+    result.update(best_batch_size=best, sweep=sweep)
+    del model
+    release(device)
+    return result
+
+
+def batch1_decode(engine: dict, device: str, output_len: int, vocab_size: int) -> dict:
+    """(d): one sequence's decode tokens/s with decode graphs and eagerly."""
+    prompt = [(7 * i) % vocab_size for i in range(64)]
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    rates = {}
+    for eager in (True, False) if device == "cuda" else (True,):
+        llm = LLM(**{**engine, "enforce_eager": eager, "max_num_seqs": 8})
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        start = time.perf_counter()
+        llm.generate([prompt[::-1]], params, use_tqdm=False)
+        rates["eager" if eager else "graphs"] = output_len / (time.perf_counter() - start)
+        del llm
+        release(device)
+    if "graphs" in rates:
+        rates["graphs_over_eager"] = rates["graphs"] / rates["eager"]
+    return rates
+
+
+def summary(name: str, requests: list[BenchRequest], output_tokens: int, wall: float, peak: float) -> dict:
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    return {
+        "system": name,
+        "requests": len(requests),
+        "wall_s": wall,
+        "req_per_s": len(requests) / wall,
+        "output_tps": output_tokens / wall,
+        "total_tps": (prompt_tokens + output_tokens) / wall,
+        "peak_memory_gib": peak,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, Triton interpreter, a few prompts")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results/gpu")))
+    args = parser.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --smoke on a CPU")
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = tiny_checkpoint(Path(tmp) / "tiny-qwen3")
+        common = {"device": device, "attention_backend": "triton", "seed": 0}
+        if args.smoke:
+            common["kv_cache_memory"] = 8 * 2**20
+            engine = {**common, "model": str(folder), "load_format": "dummy", "dtype": "float32"}
+            shape, n_a, in_a, out_a, n_b, len_b, b1 = TINY, 4, 24, 8, 6, (4, 40), 8
+            sizes = [2, 4]
+        else:
+            common["gpu_memory_utilization"] = 0.45  # engines run one after another, but keep room
+            engine = {**common, "model": "qwen3-0.6b", "load_format": "dummy", "dtype": "bfloat16"}
+            shape, n_a, in_a, out_a, n_b, len_b, b1 = QWEN3_0_6B, 500, 512, 128, 256, (100, 1024), 256
+            sizes = [64, 128, 256]
+        report["parity"] = parity(folder, device, {**common, "max_num_seqs": 8})
+        print("(0) greedy parity with transformers (float32):", report["parity"], flush=True)
+        vocab = shape["vocab_size"]
+        work_a = random_workload(n_a, (in_a, in_a), (out_a, out_a), seed=0, vocab_size=vocab)
+        work_b = random_workload(n_b, len_b, len_b, seed=0, vocab_size=vocab)
+        report["a"] = run_ours(f"qwenbatch (a) {n_a}x{in_a}->{out_a}", work_a, engine, device)
+        report["b"] = run_ours("qwenbatch (b) nano-vllm", work_b, engine, device)
+        report["c"] = run_transformers("transformers (b)", work_b, shape, sizes, device)
+        report["b_over_c"] = report["b"]["output_tps"] / report["c"]["output_tps"]
+        report["batch1"] = batch1_decode(engine, device, b1, vocab)
+    (args.out / "gpu-bench.json").write_text(json.dumps(report, indent=2))
+    print(f"\n{'system':<34} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'peak GiB':>9} {'wall s':>8}")
+    for key in ("a", "b", "c"):
+        r = report[key]
+        print(
+            f"{r['system']:<34} {r['req_per_s']:>8.2f} {r['output_tps']:>10.1f} {r['total_tps']:>12.1f} "
+            f"{r['peak_memory_gib']:>9.2f} {r['wall_s']:>8.2f}"
+        )
+    print(f"(b) / (c) output tok/s: {report['b_over_c']:.2f}x; batch-1 decode tok/s: {report['batch1']}")
+    print(f"wrote {args.out / 'gpu-bench.json'}")
+
+
+if __name__ == "__main__":
+    main()
