@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import sys
 
+import pytest
+
+from gguf_writer import write_gguf
 from qwenbatch.bench.workloads import parse_range, random_workload, shared_prefix_workload
 from qwenbatch.cli import main
 
@@ -57,3 +61,67 @@ def test_workloads_are_fixed_by_their_seed():
     shared = shared_prefix_workload(4, prefix_len=16, tail_len=(2, 3), output_len=5)
     assert all(r.prompt_token_ids[:16] == shared[0].prompt_token_ids[:16] for r in shared)
     assert parse_range("32-512") == (32, 512) and parse_range("64") == (64, 64)
+
+
+FAKE_LLAMA_SERVER = '''#!{python}
+"""A stand-in for llama.cpp's llama-server: /health, and /completion echoing n_predict; logs its argv."""
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+args = sys.argv[1:]
+open({log!r}, "a").write(json.dumps(args) + "\\n")
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def reply(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self.reply({{"status": "ok"}})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert all(isinstance(t, int) for t in body["prompt"]) and body["ignore_eos"] is True
+        self.reply({{"tokens_predicted": body["n_predict"], "tokens_evaluated": len(body["prompt"])}})
+
+
+ThreadingHTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Handler).serve_forever()
+'''
+
+
+def test_bench_throughput_beside_llama_cpp_sends_it_the_same_requests(tiny_qwen2, tmp_path, monkeypatch):
+    gguf = tmp_path / "tiny.gguf"
+    write_gguf(tiny_qwen2, gguf)
+    bin_dir, log = tmp_path / "bin", tmp_path / "argv.log"
+    bin_dir.mkdir()
+    server = bin_dir / "llama-server"
+    server.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable, log=str(log)))
+    server.chmod(0o755)
+    monkeypatch.setenv("QWENBATCH_LLAMA_CPP", str(bin_dir))
+    out = tmp_path / "result.json"
+    argv = ["bench", "throughput", "--workload", "random", "--num-prompts", "5", "--input-len", "8-20"]
+    argv += ["--output-len", "2-4", "--model", str(gguf), "--dtype", "float32", "--kv-cache-memory", "16MiB"]
+    assert main([*argv, "--max-num-seqs", "3", "--baseline", "llama.cpp", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    ours, theirs = report["systems"]
+    assert theirs["system"].startswith("llama.cpp")
+    assert theirs["output_tokens"] == ours["output_tokens"] and theirs["prompt_tokens"] == ours["prompt_tokens"]
+    assert report["ratio_output_tps_llama_cpp"] == ours["output_tps"] / theirs["output_tps"]
+    args = json.loads(log.read_text().splitlines()[0])
+    assert args[args.index("-m") + 1] == str(gguf) and args[args.index("-np") + 1] == "3"
+    assert args[args.index("--host") + 1] == "127.0.0.1"
+
+
+def test_llama_cpp_baseline_needs_a_gguf(tiny_qwen2):
+    from qwenbatch.bench.llama_cpp import gguf_for
+
+    with pytest.raises(ValueError, match="needs a GGUF"):
+        gguf_for(str(tiny_qwen2))

@@ -669,6 +669,8 @@ GAUGES = [
     "kv_cache_usage_perc",
     "avg_prompt_throughput_toks_per_s",
     "avg_generation_throughput_toks_per_s",
+    "kv_cache_bytes",
+    "process_resident_memory_bytes",
 ]
 HISTOGRAMS = [
     "time_to_first_token_seconds",
@@ -701,6 +703,7 @@ def test_metrics_parse_and_every_series_is_there(url):
         assert name in m, name
     for reason in REASONS:
         assert f'request_success_total{{finished_reason="{reason}"}}' in m
+    assert m["process_resident_memory_bytes"] > 2**20
 
 
 def delta(before: dict[str, float], after: dict[str, float], name: str) -> float:

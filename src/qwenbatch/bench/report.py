@@ -14,12 +14,13 @@ def throughput_report(
     baseline_sizes: list[int] | None,
     compare_prefix_caching: bool,
     batch1: bool,
+    llama_cpp: bool = False,
 ) -> dict:
     """Run ours (and optionally ours without prefix caching, batch 1, transformers) in this process.
 
     Keys: workload, machine, systems (per system: requests, prompt/output tokens, wall_s,
     output_tps, total_tps, peak_rss_mib, extra), model_gflops_fraction_of_gemm, and when asked
-    prefix_caching_speedup, batch1, ratio_output_tps (ours / transformers).
+    prefix_caching_speedup, batch1, ratio_output_tps (ours / transformers), ratio_output_tps_llama_cpp.
     """
     report: dict = {"workload": workload, "machine": throughput.machine_rates(config.torch_dtype)}
     ours, llm = throughput.run_ours(config, requests)
@@ -40,6 +41,12 @@ def throughput_report(
         results.append(base)
         report["ratio_output_tps"] = ours.output_tps / base.output_tps
         report["baseline_batch_size"] = base.extra["best_batch_size"]
+    if llama_cpp:
+        from qwenbatch.bench.llama_cpp import run_llama_cpp
+
+        base = run_llama_cpp(config.model, requests, config.max_num_seqs)
+        results.append(base)
+        report["ratio_output_tps_llama_cpp"] = ours.output_tps / base.output_tps
     # The matmul rate again after the runs; the better of the two is the machine's rate.
     gemm = max(report["machine"]["gemm_2048_gflops"], throughput.machine_rates(config.torch_dtype)["gemm_2048_gflops"])
     report["machine"]["gemm_2048_gflops"] = gemm
@@ -71,6 +78,9 @@ def format_report(report: dict) -> str:
             f"ratio output tok/s (ours / transformers at batch {report['baseline_batch_size']}): "
             f"{report['ratio_output_tps']:.2f}"
         )
+    if "ratio_output_tps_llama_cpp" in report:
+        lines.append(f"ratio output tok/s (ours / llama.cpp): {report['ratio_output_tps_llama_cpp']:.2f}")
+    lines.append(f"linears: {ours['linear_kernels']} on {ours['device']}")
     if "prefix_caching_speedup" in report:
         lines.append(f"prefix caching speed-up end to end: {report['prefix_caching_speedup']:.2f}x")
     if "batch1" in report:

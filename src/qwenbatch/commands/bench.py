@@ -15,13 +15,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "throughput",
         help="offline throughput of a workload, optionally beside transformers",
         description="Run a fixed-seed workload on our engine (greedy, eos ignored) and, with --baseline, on "
-        "transformers.generate at its best static batch size, in the same process; print a table.",
+        "transformers.generate at its best static batch size and/or llama.cpp's llama-server on the same GGUF "
+        "(one slot per --max-num-seqs), in the same run; print a table.",
     )
     tp.add_argument("--workload", choices=["cpu-mixed", "shared-prefix", "random"], default="cpu-mixed")
     tp.add_argument("--num-prompts", type=int, default=64, help="random workload: number of requests")
     tp.add_argument("--input-len", default="32-512", help="random workload: prompt length or range A-B")
     tp.add_argument("--output-len", default="16-128", help="random workload: output length or range C-D")
-    tp.add_argument("--baseline", choices=["transformers"], help="also run this baseline")
+    tp.add_argument(
+        "--baseline",
+        choices=["transformers", "llama.cpp"],
+        action="append",
+        help="also run this baseline (may be given twice); llama.cpp: built by benchmarks/build_llama_cpp.sh",
+    )
     tp.add_argument("--baseline-batch-sizes", default="1,2,4,8,16,32", help="the baseline's sweep")
     tp.add_argument(
         "--compare-prefix-caching", action="store_true", help="run ours twice, with and without prefix caching"
@@ -70,8 +76,11 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         requests = WORKLOADS[args.workload](vocab)
-    sizes = [int(s) for s in args.baseline_batch_sizes.split(",")] if args.baseline else None
-    report = throughput_report(config, args.workload, requests, sizes, args.compare_prefix_caching, args.batch1)
+    baselines = args.baseline or []
+    sizes = [int(s) for s in args.baseline_batch_sizes.split(",")] if "transformers" in baselines else None
+    report = throughput_report(
+        config, args.workload, requests, sizes, args.compare_prefix_caching, args.batch1, "llama.cpp" in baselines
+    )
     print(format_report(report))
     if args.output:
         args.output.write_text(json.dumps(report, indent=2))

@@ -80,7 +80,7 @@ class ModelRunner:
         self.linear_kernels = "torch"  # recorded in the log and in bench JSON
         if onednn_available(dtype, device):
             pack_linears(model)
-            self.linear_kernels = "onednn-prepacked"
+            self.linear_kernels = f"onednn-prepacked-{str(dtype).removeprefix('torch.')}"
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
@@ -94,7 +94,7 @@ class ModelRunner:
             self._metadata_class: type[AttentionMetadata] = TritonAttentionMetadata
         else:
             self._metadata_class = TorchAttentionMetadata
-        logger.info("attention backend: %s on %s", attention_backend, device)
+        logger.info("attention backend: %s on %s; linears: %s", attention_backend, device, self.linear_kernels)
 
     def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         shape = (2, num_blocks, self.block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)

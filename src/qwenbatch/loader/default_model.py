@@ -129,6 +129,15 @@ def default_model_dir() -> Path:
     return folder
 
 
+def default_gguf_path() -> Path:
+    """The default model's GGUF file itself, assembled and verified once into the cache (llama.cpp reads it)."""
+    path = cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-{GGUF_SHA256[:12]}.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        assemble_gguf(part_paths(), path)
+    return path
+
+
 def build_default_model(folder: Path) -> None:
     """Assemble, verify and convert into ``folder`` through a temporary sibling folder."""
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ import time
 from collections import deque
 
 import prometheus_client
+import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from qwenbatch.engine.stats import IterationStats, SchedulerStats
@@ -27,8 +28,6 @@ class ServerMetrics:
     def __init__(self, model_name: str, device: str = "cpu") -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
-        # process_resident_memory_bytes and friends: the CPU's memory figure (tune --server reads it).
-        prometheus_client.ProcessCollector(registry=r)
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(P + name, doc, labels, registry=r).labels(model_name)
@@ -66,6 +65,10 @@ class ServerMetrics:
             lambda: self._rate(2)
         )
         self.kv_cache_bytes = gauge("kv_cache_bytes", "Bytes of the preallocated KV pool.")
+        process = psutil.Process()
+        gauge("process_resident_memory_bytes", "Resident memory of the server process (RSS).").set_function(
+            lambda: process.memory_info().rss
+        )
         if device == "cuda":
             import torch
 

@@ -1,0 +1,144 @@
+"""Ours beside llama.cpp (llama-batched-bench) on the default model's GGUF, in one run, as issue 15's table:
+P parallel sequences of 256 random prompt tokens and 64 output tokens (all at once), batch-1 decode, and
+the prefill of one long prompt. Needs `bash benchmarks/build_llama_cpp.sh` first; never run by CI.
+
+    .venv/bin/python benchmarks/llama_cpp_compare.py --output benchmarks/results/llama-cpp-compare.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from qwenbatch import LLM, SamplingParams
+from qwenbatch.bench.llama_cpp import bin_dir, build_info
+from qwenbatch.bench.machine import copy_bandwidth_gbs, gemm_gflops
+from qwenbatch.bench.throughput import matmul_params
+from qwenbatch.bench.workloads import random_workload
+from qwenbatch.loader.default_model import default_gguf_path
+
+
+def cpu_kind() -> dict:
+    with open("/proc/cpuinfo") as f:
+        lines = f.read().splitlines()
+    model = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    flags = next(line.split(":", 1)[1].split() for line in lines if line.startswith("flags"))
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+    return {"model": model, "flags": [f for f in wanted if f in flags], "machine": platform.machine()}
+
+
+def llama_batched(npp: int, ntg: int, npl: list[int]) -> dict[int, dict]:
+    """llama-batched-bench rows by parallel count (t: seconds for the whole batch; speed_tg, speed_pp)."""
+    ctx = max(npl) * (npp + ntg) + 64
+    cmd = [
+        str(bin_dir() / "llama-batched-bench"),
+        *("-m", str(default_gguf_path()), "-t", str(torch.get_num_threads()), "-c", str(ctx)),
+        *("-b", "2048", "-ub", "512", "-npp", str(npp), "-ntg", str(ntg), "-npl", ",".join(map(str, npl))),
+        *("--output-format", "jsonl"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    rows = [json.loads(line) for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("{")]
+    return {row["pl"]: row for row in rows}
+
+
+def ours_parallel(llm: LLM, parallel: int, npp: int, ntg: int) -> float:
+    """Seconds for ``parallel`` prompts of ``npp`` random tokens and ``ntg`` outputs each, all queued at once."""
+    work = random_workload(parallel, (npp, npp), (ntg, ntg), seed=parallel)
+    params = SamplingParams(temperature=0, max_tokens=ntg, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([r.prompt_token_ids for r in work], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def ours_decode_tps(llm: LLM, ntg: int = 64) -> float:
+    """Batch-1 decode tokens/s: the time of ntg tokens less the time of 1, over ntg - 1."""
+    prompt = random_workload(1, (256, 256), (1, 1), seed=7)[0].prompt_token_ids
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    many = SamplingParams(temperature=0, max_tokens=ntg, ignore_eos=True)
+    llm.generate([prompt[::-1]], one, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    llm.generate([prompt], one, use_tqdm=False)
+    t1 = time.perf_counter() - start
+    start = time.perf_counter()
+    llm.generate([prompt[1:] + prompt[:1]], many, use_tqdm=False)
+    return (ntg - 1) / (time.perf_counter() - start - t1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--parallel", default="1,16,64")
+    parser.add_argument("--prefill-lens", default="1024,4096")
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args()
+    parallel = [int(p) for p in args.parallel.split(",")]
+    prefill_lens = [int(n) for n in args.prefill_lens.split(",")]
+
+    llm = LLM(model="default", dtype=args.dtype, max_num_seqs=max(parallel), max_model_len=max(prefill_lens) + 64)
+    dtype = llm.engine.dtype
+    layer_params, head_params = matmul_params(llm.engine.model_config)
+    report: dict = {
+        "cpu": cpu_kind(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "linear_kernels": llm.engine.runner.linear_kernels,
+        "threads": torch.get_num_threads(),
+        "llama_cpp": {k: build_info(bin_dir()).get(k) for k in ("llama_cpp_commit", "cmake_flags")},
+        "gemm_2048_gflops": gemm_gflops(dtype),
+        "copy_bandwidth_gbs": copy_bandwidth_gbs(),
+    }
+    ours_parallel(llm, 2, 32, 4)  # warm-up
+    rows = []
+    theirs = llama_batched(256, 64, parallel)
+    for p in parallel:
+        wall = ours_parallel(llm, p, 256, 64)
+        flops = 2 * (layer_params * p * (256 + 63) + head_params * p * 64)
+        rows.append(
+            {
+                "parallel": p,
+                "ours_s": wall,
+                "llama_cpp_s": theirs[p]["t"],
+                "ours_over_llama_cpp": theirs[p]["t"] / wall,
+                "ours_model_gflops": flops / wall / 1e9,
+            }
+        )
+    report["parallel"] = rows
+    decode_theirs = theirs[1]["speed_tg"]
+    decode_ours = ours_decode_tps(llm)
+    weight_bytes = (layer_params + head_params) * torch.tensor([], dtype=dtype).element_size()
+    report["batch1_decode"] = {
+        "ours_tps": decode_ours,
+        "llama_cpp_tps": decode_theirs,
+        "ours_over_llama_cpp": decode_ours / decode_theirs,
+        "ours_weight_read_gbs": weight_bytes * decode_ours / 1e9,
+        "fraction_of_copy_bandwidth": weight_bytes * decode_ours / 1e9 / report["copy_bandwidth_gbs"],
+    }
+    prefills = []
+    for n in prefill_lens:
+        prompt = random_workload(1, (n, n), (1, 1), seed=n)[0].prompt_token_ids
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        ours_s = time.perf_counter() - start
+        theirs_pp = llama_batched(n, 1, [1])[1]
+        prefills.append(
+            {
+                "tokens": n,
+                "ours_s": ours_s,
+                "ours_tps": n / ours_s,
+                "llama_cpp_tps": theirs_pp["speed_pp"],
+                "ours_over_llama_cpp": (n / ours_s) / theirs_pp["speed_pp"],
+            }
+        )
+    report["prefill"] = prefills
+    print(json.dumps(report, indent=2))
+    if args.output:
+        args.output.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
