@@ -235,3 +235,17 @@ def test_gpu_script_smoke_runs_end_to_end_on_the_cpu(tmp_path):
         assert report[key]["output_tps"] > 0 and report[key]["requests"] > 0
     assert report["a"]["requests"] == 4 and report["b"]["requests"] == 6
     assert "req/s" in proc.stdout and "(b) / (c)" in proc.stdout
+
+
+def test_gpu_memory_report_counts_the_unfilled_kv_pool_out_of_what_a_run_needed():
+    from types import SimpleNamespace
+
+    from qwenbatch.bench.machine import PeakGPUMemory, gpu_memory_report
+
+    mib = 2**20
+    gpu = PeakGPUMemory(torch.device("cuda"))
+    gpu.peak_allocated, gpu.peak_reserved = 1000 * mib, 1200 * mib
+    engine = SimpleNamespace(runner=SimpleNamespace(kv_cache_bytes=600 * mib))
+    report = gpu_memory_report(gpu, engine, peak_kv_usage=0.25)
+    assert report["kv_pool_mib"] == 600 and report["kv_pool_share"] == 0.5
+    assert report["gpu_memory_needed_mib"] == 1000 - 600 * 0.75  # the pool's unused 75% is not needed
