@@ -74,6 +74,12 @@ INVALID = [
     ("stop", {"stop": [3]}),
     ("stop_token_ids", {"stop_token_ids": [-1]}),
     ("stop_token_ids", {"stop_token_ids": ["2"]}),
+    # One caller's thousands of stop strings or ids would slow every request sharing its steps.
+    ("stop", {"stop": [f"s{i}" for i in range(17)]}),
+    ("stop", {"stop": ["x" * 1025]}),
+    ("stop_token_ids", {"stop_token_ids": list(range(257))}),
+    ("repetition_penalty", {"repetition_penalty": math.inf}),
+    ("repetition_penalty", {"repetition_penalty": 1e999}),
 ]
 
 
@@ -81,6 +87,14 @@ INVALID = [
 def test_invalid_value_raises_naming_the_parameter(name, kwargs):
     with pytest.raises(ValueError, match=rf"\b{name}\b"):
         SamplingParams(**kwargs)
+
+
+def test_the_bounds_themselves_are_accepted_and_a_tiny_temperature_is_greedy():
+    p = SamplingParams(stop=[f"s{i}" for i in range(16)], stop_token_ids=list(range(256)), repetition_penalty=100)
+    assert len(p.stop) == 16 and len(p.stop_token_ids) == 256
+    tiny = SamplingParams(temperature=1e-300)  # 0 in float32: dividing by it would give inf logits
+    assert tiny.temperature == 0.0 and tiny.greedy
+    assert SamplingParams(temperature=1e-4).temperature == 1e-4
 
 
 def test_valid_values_are_accepted_and_normalised():

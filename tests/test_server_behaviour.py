@@ -203,6 +203,9 @@ def fresh_server(tiny_qwen3):
 
 INVALID_VALUES = [
     ("/v1/completions", completion(top_p=3), "top_p"),
+    ("/v1/completions", completion(stop=[f"stop{i}" for i in range(300)]), "stop"),
+    ("/v1/completions", completion(stop_token_ids=list(range(300))), "stop_token_ids"),
+    ("/v1/completions", completion(repetition_penalty=1e300), "repetition_penalty"),
     ("/v1/completions", completion(temperature=-1), "temperature"),
     ("/v1/completions", completion(temperature="hot"), "temperature"),
     ("/v1/completions", completion(n=0), "n"),

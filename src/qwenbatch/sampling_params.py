@@ -5,6 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# Every generated token is checked against every stop string and stop id, so one request's thousands of
+# them would slow every request sharing its steps. OpenAI allows 4 stop strings; we take up to these.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+# vLLM's threshold: a smaller temperature (1e-300 is 0 in float32, a division by zero) means greedy.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+MAX_REPETITION_PENALTY = 100.0
+
 
 @dataclass
 class SamplingParams:
@@ -42,6 +51,8 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            self.temperature = 0.0
 
     def _validate(self) -> None:
         def fail(name: str, why: str) -> None:
@@ -61,8 +72,8 @@ class SamplingParams:
             fail("presence_penalty", "must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             fail("frequency_penalty", "must be in [-2, 2]")
-        if not self.repetition_penalty > 0:  # also rejects NaN
-            fail("repetition_penalty", "must be > 0")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:  # also rejects NaN and inf
+            fail("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}]")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             fail("max_tokens", "must be an integer >= 1 or None")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
@@ -73,8 +84,15 @@ class SamplingParams:
             fail("logprobs", "must be an integer in [0, 20] or None")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", "must be an integer or None")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            fail("stop", "must hold non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"SamplingParams.stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS}")
+        if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            limit = MAX_STOP_STRING_CHARS
+            raise ValueError(f"SamplingParams.stop must hold non-empty strings of at most {limit} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"SamplingParams.stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}"
+            )
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must hold non-negative integers")
 
