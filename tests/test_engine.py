@@ -300,3 +300,16 @@ def test_priority_over_http_is_validated_and_reaches_the_engine(tiny_server, mon
             response = httpx.post(tiny_server.url + path, json={**body, **fields}, timeout=60)
             assert response.status_code == 200, response.text
     assert seen == [-3, 0, -3, 0]
+
+
+def test_stats_nobody_takes_stay_bounded_and_the_counts_stay_exact(tiny_qwen3, monkeypatch):
+    from qwenbatch.engine import stats as stats_module
+
+    monkeypatch.setattr(stats_module, "MAX_PENDING_SAMPLES", 20)
+    llm = LLM(model=str(tiny_qwen3), dtype="float32", kv_cache_memory=32 * 2**20)
+    prompts = [[5 + i, 6, 7] for i in range(40)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    stats = llm.engine.take_iteration_stats()
+    assert stats.num_generation_tokens == 160 and stats.num_prompt_tokens == 120
+    for samples in (stats.time_to_first_token, stats.inter_token_latency, stats.finished, stats.finished_reasons):
+        assert len(samples) == 20

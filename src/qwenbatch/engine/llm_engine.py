@@ -331,7 +331,7 @@ class LLMEngine:
 
     def _record_score(self, req: EngineRequest, seq: Sequence, value: float, now: float) -> None:
         req.first_token_time = now
-        self._stats.time_to_first_token.append(now - req.arrival_time)
+        self._stats.add_sample(self._stats.time_to_first_token, now - req.arrival_time)
         self._stats.num_prompt_tokens += len(req.prompt_token_ids)
         if math.isfinite(value):
             seq.score = value
@@ -345,25 +345,28 @@ class LLMEngine:
         stats.num_generation_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = now
-            stats.time_to_first_token.append(now - req.arrival_time)
+            stats.add_sample(stats.time_to_first_token, now - req.arrival_time)
             stats.num_prompt_tokens += len(req.prompt_token_ids)
         last = req.last_token_time.get(seq.seq_id)
         if last is not None:
-            stats.inter_token_latency.append(now - last)
+            stats.add_sample(stats.inter_token_latency, now - last)
         req.last_token_time[seq.seq_id] = now
 
     def _record_finished(self, req: EngineRequest, now: float) -> None:
         queued = (req.first_scheduled_time or req.arrival_time) - req.arrival_time
-        self._stats.finished.append(
+        stats = self._stats
+        stats.add_sample(
+            stats.finished,
             FinishedRequestStats(
                 finish_reason=req.seqs[0].finish_reason or "abort",
                 e2e_latency=now - req.arrival_time,
                 queue_time=queued,
                 num_prompt_tokens=len(req.prompt_token_ids),
                 num_generation_tokens=sum(seq.num_output_tokens for seq in req.seqs),
-            )
+            ),
         )
-        self._stats.finished_reasons.extend(seq.finish_reason or "abort" for seq in req.seqs)
+        for seq in req.seqs:
+            stats.add_sample(stats.finished_reasons, seq.finish_reason or "abort")
 
     def take_iteration_stats(self) -> IterationStats:
         """What happened since the last call (steps and aborts), for metrics."""

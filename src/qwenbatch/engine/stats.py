@@ -16,9 +16,17 @@ class FinishedRequestStats:
     num_generation_tokens: int  # over all of its sequences
 
 
+MAX_PENDING_SAMPLES = 10_000
+
+
 @dataclass
 class IterationStats:
-    """What happened since the last time stats were taken (one step, plus any aborts in between)."""
+    """What happened since the last time stats were taken (one step, plus any aborts in between).
+
+    The counts are exact however long stats go untaken; the per-sample lists keep at most
+    MAX_PENDING_SAMPLES entries each, so an offline job that never takes them (``LLM.generate`` over a
+    million prompts) holds a bounded amount; a consumer (the server's metrics) takes them every step.
+    """
 
     num_batched_tokens: int = 0  # tokens computed in the step (prefill chunks and decodes)
     num_prompt_tokens: int = 0  # prompt tokens of requests whose prefill completed
@@ -28,6 +36,11 @@ class IterationStats:
     inter_token_latency: list[float] = field(default_factory=list)  # seconds, per token after a sequence's first
     finished: list[FinishedRequestStats] = field(default_factory=list)
     finished_reasons: list[str] = field(default_factory=list)  # one per sequence that finished
+
+    def add_sample(self, samples: list, value) -> None:
+        """Append ``value`` to one of the lists above unless it already holds MAX_PENDING_SAMPLES."""
+        if len(samples) < MAX_PENDING_SAMPLES:
+            samples.append(value)
 
 
 @dataclass
