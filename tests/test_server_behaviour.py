@@ -858,3 +858,69 @@ def test_serve_with_a_missing_model_fails_with_one_line(tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("qwenbatch: error: ")]
     assert len(errors) == 1 and str(missing) in errors[0], result.stderr
     assert "Traceback" not in result.stderr, f"a missing model should not print a traceback:\n{result.stderr}"
+
+
+# -- hardening: keys, priority, /config bounds, /health -------------------------------------------
+
+
+def test_a_better_than_default_priority_is_the_admins_alone(guarded, monkeypatch):
+    seen = []
+    make_request = guarded.engine.make_request
+
+    def spy(*args, **kwargs):
+        request = make_request(*args, **kwargs)
+        seen.append(request.priority)
+        return request
+
+    monkeypatch.setattr(guarded.engine, "make_request", spy)
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True, "priority": -(2**31)}
+    for headers in (USER, ADMIN):
+        response = httpx.post(guarded.url + "/v1/completions", json=body, headers=headers, timeout=60)
+        assert response.status_code == 200, response.text
+    assert seen == [0, -(2**31)]  # the user's jump is clamped to the default; the admin's stands
+
+
+def test_duplicate_authorization_headers_are_400(guarded):
+    # httpx would join repeated headers; a raw request sends two lines, as a proxy might.
+    import socket
+
+    host, port = guarded.url.removeprefix("http://").split(":")
+    raw = (
+        f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {USER_KEY}\r\n"
+        f"Authorization: Bearer {ADMIN_KEY}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(raw)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+    assert b"duplicate_authorization" in reply
+
+
+def test_a_server_with_only_an_admin_key_requires_it_everywhere(tiny_qwen3):
+    settings = ServerSettings(served_model_names=[MODEL], admin_api_key=ADMIN_KEY)
+    with RunningServer(settings, engine_config(tiny_qwen3)) as server:
+        assert_error(httpx.get(server.url + "/v1/models"), 401)
+        assert_error(httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}), 401)
+        assert httpx.get(server.url + "/v1/models", headers=ADMIN).status_code == 200
+        assert httpx.get(server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("value", [2**64, 10**7])
+def test_post_config_refuses_limits_no_engine_could_use(guarded, value):
+    with restored_limits(guarded):
+        error = assert_error(httpx.post(guarded.url + "/config", json={"max_num_seqs": value}, headers=ADMIN), 400)
+        assert error["param"] == "max_num_seqs", error
+        response = httpx.get(guarded.url + "/config", headers=USER)
+        assert response.status_code == 200 and response.json()["max_num_seqs"] < value
+
+
+def test_health_tells_the_engines_error_to_authenticated_callers_only(tiny_qwen3):
+    settings = ServerSettings(served_model_names=[MODEL], api_keys=[USER_KEY])
+    with RunningServer(settings, engine_config(tiny_qwen3), engine_factory=failing_to_load, wait_healthy=False) as srv:
+        wait_for(lambda: srv.app.state.ctx.engine.error is not None, "the engine to fail loading")
+        anonymous = httpx.get(srv.url + "/health")
+        assert anonymous.status_code == 503 and anonymous.json() == {"status": "dead"}, anonymous.text
+        known = httpx.get(srv.url + "/health", headers=USER)
+        assert known.status_code == 503 and "corrupt" in known.json()["error"], known.text

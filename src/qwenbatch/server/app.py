@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from qwenbatch.loader.default_model import cache_root
 from qwenbatch.server import batches, chat, completion, files, rerank
 from qwenbatch.server.batch_worker import BatchWorker
 from qwenbatch.server.common import APIError, ClientDisconnected, OrjsonResponse, ServerContext, unavailable
-from qwenbatch.server.guard import GuardMiddleware
+from qwenbatch.server.guard import GuardMiddleware, is_admin
 from qwenbatch.server.metrics import ServerMetrics
 from qwenbatch.server.protocol import ConfigUpdate
 from qwenbatch.server.storage import BatchStore
@@ -93,13 +92,11 @@ def build_app(
         capacity = max(1, min(2 * engine_config.max_num_seqs, settings.max_waiting_seqs // 2))
         worker = BatchWorker(app, app.state.store, capacity)
         app.state.batch_worker = worker
-    # With api_keys every route but /health needs a key; the admin key is accepted there too.
-    keys = list(settings.api_keys)
-    if keys and settings.admin_api_key:
-        keys.append(settings.admin_api_key)
+    # With keys (the admin key counts) every route but /health needs one.
     app.add_middleware(
         GuardMiddleware,
-        api_keys=keys,
+        api_keys=settings.api_keys,
+        admin_api_key=settings.admin_api_key,
         max_body_bytes=settings.max_body_bytes,
         max_file_bytes=settings.max_file_bytes,
         internal_token=worker.token if worker else None,
@@ -157,18 +154,16 @@ def _param_path(loc: tuple) -> str | None:
 
 def _add_routes(app: FastAPI, settings: ServerSettings, names: list[str], metrics: ServerMetrics) -> None:
     ctx: ServerContext = app.state.ctx
-    # Without an admin key every API key may change the config, as the one key could before there were several.
-    admin_keys = [k.encode() for k in ([settings.admin_api_key] if settings.admin_api_key else settings.api_keys)]
     created = int(time.time())
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         state = ctx.engine.state
         if ctx.engine.is_healthy:
             return OrjsonResponse({"status": "healthy"})
         body = {"status": state.value}
-        if state is EngineState.DEAD:
-            body["error"] = str(ctx.engine.error)
+        if state is EngineState.DEAD and "owner" in request.scope.get("state", {}):
+            body["error"] = str(ctx.engine.error)  # the engine's own words: only for authenticated callers
         return OrjsonResponse(body, status_code=503, headers={"Retry-After": "1"})
 
     @app.get("/v1/models")
@@ -186,8 +181,7 @@ def _add_routes(app: FastAPI, settings: ServerSettings, names: list[str], metric
 
     @app.post("/config")
     async def post_config(update: ConfigUpdate, request: Request):
-        token = request.headers.get("authorization", "").partition(" ")[2].strip().encode()
-        if admin_keys and not any(hmac.compare_digest(token, key) for key in admin_keys):
+        if not is_admin(request):
             raise APIError(403, "changing the config needs the admin API key", "permission_error")
         try:
             await ctx.engine.update_limits(**update.model_dump(exclude_none=True))

@@ -26,6 +26,7 @@ from qwenbatch.server.common import (
     stream_error,
     usage,
 )
+from qwenbatch.server.guard import allowed_priority
 from qwenbatch.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -63,8 +64,9 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
         body, body.max_completion_tokens or body.max_tokens, top_logprobs if body.logprobs else None
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    priority = allowed_priority(raw, body.priority)
     request = make_request(
-        engine, request_id, prompt, params, body.stream, body.truncate_prompt_tokens, "messages", body.priority
+        engine, request_id, prompt, params, body.stream, body.truncate_prompt_tokens, "messages", priority
     )
     view = _ChatView(
         request_id,

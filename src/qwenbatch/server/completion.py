@@ -27,6 +27,7 @@ from qwenbatch.server.common import (
     stream_error,
     usage,
 )
+from qwenbatch.server.guard import allowed_priority
 from qwenbatch.server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 
 router = APIRouter()
@@ -50,10 +51,9 @@ async def create_completion(body: CompletionRequest, raw: Request):
     params = sampling_params(body, body.max_tokens, body.logprobs)
     base_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = prompt_list(body.prompt)
+    priority = allowed_priority(raw, body.priority)
     requests = [
-        make_request(
-            engine, f"{base_id}-{i}", p, params, body.stream, body.truncate_prompt_tokens, "prompt", body.priority
-        )
+        make_request(engine, f"{base_id}-{i}", p, params, body.stream, body.truncate_prompt_tokens, "prompt", priority)
         for i, p in enumerate(prompts)
     ]
     view = _CompletionView(base_id, ctx.model_name, engine, body.n, body.echo, body.logprobs)

@@ -32,6 +32,17 @@ def owner_of(request: Request) -> str:
     return request.scope["state"]["owner"]
 
 
+def is_admin(request: Request) -> bool:
+    """True for the admin key's holder; on a server without an admin key, for every authenticated caller."""
+    return request.scope.get("state", {}).get("admin", False)
+
+
+def allowed_priority(request: Request, priority: int) -> int:
+    """A priority better than the default (negative) is an admin's privilege: anyone else's becomes 0,
+    so one key cannot jump the queue of every other."""
+    return priority if priority >= 0 or is_admin(request) else 0
+
+
 async def send_error(send: Send, status: int, message: str, type: str, code: str) -> None:
     body = orjson.dumps({"error": {"message": message, "type": type, "param": None, "code": code}})
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -42,8 +53,9 @@ async def send_error(send: Send, status: int, message: str, type: str, code: str
 
 
 class GuardMiddleware:
-    """401 without ``Authorization: Bearer <one of api_keys>`` (when there are keys) on all but /health,
-    else the caller's identity in ``scope["state"]["owner"]`` (see ``owner_of``); 413 for a body over
+    """401 without ``Authorization: Bearer <one of api_keys or the admin key>`` (when there are keys) on all
+    but /health, else the caller's identity in ``scope["state"]["owner"]`` (see ``owner_of``) and whether it
+    is an admin in ``scope["state"]["admin"]``; 400 for several Authorization headers; 413 for a body over
     ``max_body_bytes``, read in full here so the limit holds without a Content-Length too. An upload to
     /v1/files is instead passed through as it arrives and cut off past ``max_file_bytes``."""
 
@@ -54,9 +66,13 @@ class GuardMiddleware:
         max_body_bytes: int,
         max_file_bytes: int,
         internal_token: str | None = None,
+        admin_api_key: str | None = None,
     ) -> None:
         self.app = app
-        self.keys = tuple((key.encode(), owner_id(key)) for key in api_keys)
+        # The admin key is a key like the others too (a server may have it alone).
+        every_key = [*api_keys, *([admin_api_key] if admin_api_key else [])]
+        self.keys = tuple((key.encode(), owner_id(key)) for key in every_key)
+        self.admin_key = admin_api_key.encode() if admin_api_key else None
         # The batch worker's own requests (through an in-memory transport; the token never leaves the
         # process) carry it, and name the owner of their batch in INTERNAL_OWNER_HEADER.
         self.internal_token = internal_token.encode() if internal_token else None
@@ -67,12 +83,18 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if sum(name == b"authorization" for name, _ in scope["headers"]) > 1:
+            message = "send one Authorization header, not several"
+            await send_error(send, 400, message, "invalid_request_error", "duplicate_authorization")
+            return
         owner = self._owner(scope)
         if owner is None and scope["path"] not in OPEN_PATHS:
             await send_error(send, 401, "invalid or missing API key", "authentication_error", "invalid_api_key")
             return
         if owner is not None:
-            scope.setdefault("state", {})["owner"] = owner
+            state = scope.setdefault("state", {})
+            state["owner"] = owner
+            state["admin"] = self._is_admin_token(scope)
         if scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
         elif scope["method"] == "POST" and scope["path"] in UPLOAD_PATHS:
@@ -80,11 +102,15 @@ class GuardMiddleware:
         else:
             await self._pass_buffered(scope, receive, send)
 
+    def _is_admin_token(self, scope: Scope) -> bool:
+        if self.admin_key is None:
+            return True  # no admin key: every authenticated caller may, as with one key before there were several
+        return hmac.compare_digest(_bearer_token(scope), self.admin_key)
+
     def _owner(self, scope: Scope) -> str | None:
         """The identity of the request's key; "" when there are no keys; None when it has no valid key."""
         headers = dict(scope["headers"])
-        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        token = token.strip() if scheme.lower() == b"bearer" else b""
+        token = _bearer_token(scope)
         if self.internal_token and token and hmac.compare_digest(token, self.internal_token):
             return headers.get(INTERNAL_OWNER_HEADER, b"").decode()
         if not self.keys:
@@ -149,6 +175,13 @@ class GuardMiddleware:
     async def _upload_too_large(self, send: Send, size: int) -> None:
         message = f"the upload has {size} bytes or more; the limit for a file is {self.max_file_bytes} bytes"
         await send_error(send, 413, message, "invalid_request_error", "request_too_large")
+
+
+def _bearer_token(scope: Scope) -> bytes:
+    """The token of the request's ``Authorization: Bearer`` header, or b""."""
+    value = next((v for name, v in scope["headers"] if name == b"authorization"), b"")
+    scheme, _, token = value.partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else b""
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -149,12 +149,17 @@ class CreateBatchRequest(_Request):
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
 
 
+MAX_CONFIG_NUM_SEQS = 65_536
+MAX_CONFIG_BATCHED_TOKENS = 1_048_576
+
+
 class ConfigUpdate(_Request):
     """``POST /config``: the limits that can change while the server runs."""
 
     model_config = ConfigDict(extra="forbid")
-    max_num_seqs: PositiveInt | None = None
-    max_num_batched_tokens: PositiveInt | None = None
+    # Bounded, so a value no engine could use is refused before it is applied.
+    max_num_seqs: Annotated[int, Field(ge=1, le=MAX_CONFIG_NUM_SEQS)] | None = None
+    max_num_batched_tokens: Annotated[int, Field(ge=1, le=MAX_CONFIG_BATCHED_TOKENS)] | None = None
 
 
 # -- responses --------------------------------------------------------------------------------------

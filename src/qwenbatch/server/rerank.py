@@ -10,6 +10,7 @@ from qwenbatch.engine.llm_engine import LLMEngine
 from qwenbatch.engine.request import EngineRequest
 from qwenbatch.rerank import RerankFormatter
 from qwenbatch.server.common import APIError, OrjsonResponse, ServerContext, collect
+from qwenbatch.server.guard import allowed_priority
 from qwenbatch.server.protocol import RerankRequest, ScoreRequest
 
 router = APIRouter()
@@ -45,7 +46,7 @@ async def rerank(body: RerankRequest, raw: Request):
     documents = [d if isinstance(d, str) else d.text for d in body.documents]
     base_id = f"rerank-{uuid.uuid4().hex}"
     requests, truncated = _score_requests(
-        engine, base_id, [(body.query, d) for d in documents], body.instruction, body.priority
+        engine, base_id, [(body.query, d) for d in documents], body.instruction, allowed_priority(raw, body.priority)
     )
     outputs = await collect([ctx.engine.generate(r) for r in requests], raw)
     order = sorted(range(len(outputs)), key=lambda i: -outputs[i].score)
@@ -79,7 +80,7 @@ async def score(body: ScoreRequest, raw: Request):
         raise APIError(400, message, param="text_1")
     base_id = f"score-{uuid.uuid4().hex}"
     requests, _ = _score_requests(
-        engine, base_id, list(zip(firsts, seconds, strict=True)), body.instruction, body.priority
+        engine, base_id, list(zip(firsts, seconds, strict=True)), body.instruction, allowed_priority(raw, body.priority)
     )
     outputs = await collect([ctx.engine.generate(r) for r in requests], raw)
     data = [{"index": i, "object": "score", "score": out.score} for i, out in enumerate(outputs)]
