@@ -337,14 +337,22 @@ SURROGATE_BODIES = [
     ("/v1/completions", '{"model": "tiny", "prompt": ["ok", "%s"], "max_tokens": 2}'),
     ("/v1/completions", '{"model": "tiny", "prompt": "%s", "max_tokens": 2, "stream": true}'),
     ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "%s"}], "max_tokens": 2}'),
+    ("/v1/completions", '{"model": "tiny", "prompt": "a%s", "max_tokens": 2, "truncate_prompt_tokens": 4}'),
+    ("/v1/rerank", '{"model": "tiny", "query": "q", "documents": ["d"], "instruction": "%s"}'),
+    ("/v1/score", '{"model": "tiny", "text_1": "q", "text_2": ["%s"]}'),
 ]
+SURROGATE_FIELDS = ["prompt", "prompt", "prompt", "messages", "prompt", "instruction", "text_2"]
 
 
-@pytest.mark.parametrize(("path", "template"), SURROGATE_BODIES, ids=["text", "list", "stream", "chat"])
-def test_lone_surrogate_in_text_is_400_not_500(url, path, template):
+@pytest.mark.parametrize(
+    ("path", "template", "field"),
+    [(*body, field) for body, field in zip(SURROGATE_BODIES, SURROGATE_FIELDS, strict=True)],
+    ids=["text", "list", "stream", "chat", "truncated", "rerank-instruction", "score-text"],
+)
+def test_lone_surrogate_in_text_is_400_naming_its_field(url, path, template, field):
     response = post(url, path, raw=(template % SURROGATE).encode())
     error = assert_error(response, 400)
-    assert error["param"] in ("prompt", "messages"), error
+    assert error["param"] == field, error
     assert_serving(url)
 
 
@@ -924,3 +932,19 @@ def test_health_tells_the_engines_error_to_authenticated_callers_only(tiny_qwen3
         assert anonymous.status_code == 503 and anonymous.json() == {"status": "dead"}, anonymous.text
         known = httpx.get(srv.url + "/health", headers=USER)
         assert known.status_code == 503 and "corrupt" in known.json()["error"], known.text
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_text_too_long_for_any_tokenization_is_refused_before_tokenizing(tiny_server, monkeypatch, path):
+    tokenizer = tiny_server.engine.tokenizer
+    calls = []
+    for name in ("encode", "apply_chat_template"):
+        original = getattr(tokenizer, name)
+        monkeypatch.setattr(tokenizer, name, lambda *a, _o=original, **k: calls.append(1) or _o(*a, **k))
+    text = "x" * (tiny_server.engine.max_model_len * 16 + 1)
+    body = {"model": MODEL, "max_tokens": 2}
+    body.update({"messages": [{"role": "user", "content": text}]} if "chat" in path else {"prompt": text})
+    error = assert_error(httpx.post(tiny_server.url + path, json=body, timeout=60), 400)
+    assert error["param"] == ("messages" if "chat" in path else "prompt") and "bytes" in error["message"], error
+    assert calls == []
+    assert_serving(tiny_server.url)

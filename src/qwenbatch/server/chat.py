@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from qwenbatch.engine.async_engine import EngineNotReadyError
 from qwenbatch.engine.request import EngineRequest
@@ -19,6 +20,7 @@ from qwenbatch.server.common import (
     OrjsonResponse,
     ServerContext,
     abort_on_disconnect,
+    check_text_size,
     collect,
     make_request,
     sampling_params,
@@ -53,21 +55,27 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer (dummy weights); use /v1/completions with token ids")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        prompt = tokenizer.apply_chat_template(
-            messages, enable_thinking=body.thinking(), add_generation_prompt=body.add_generation_prompt
-        )
-    except (ValueError, TypeError, jinja2.TemplateError) as e:
-        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
+    if body.truncate_prompt_tokens is None:
+        check_text_size(engine, sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), "messages")
     top_logprobs = body.top_logprobs or 0
     params = sampling_params(
         body, body.max_completion_tokens or body.max_tokens, top_logprobs if body.logprobs else None
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     priority = allowed_priority(raw, body.priority)
-    request = make_request(
-        engine, request_id, prompt, params, body.stream, body.truncate_prompt_tokens, "messages", priority
-    )
+
+    def tokenize() -> tuple[str, EngineRequest]:
+        try:
+            prompt = tokenizer.apply_chat_template(
+                messages, enable_thinking=body.thinking(), add_generation_prompt=body.add_generation_prompt
+            )
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
+        truncate = body.truncate_prompt_tokens
+        return prompt, make_request(engine, request_id, prompt, params, body.stream, truncate, "messages", priority)
+
+    # Off the event loop: a long conversation's template and tokens would stall every other request.
+    prompt, request = await run_in_threadpool(tokenize)
     view = _ChatView(
         request_id,
         ctx.model_name,

@@ -125,6 +125,23 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
         raise APIError(400, message.replace("SamplingParams.", ""), param=match and match.group(1)) from e
 
 
+# A token is at least one byte of text in any tokenizer we serve (most are 3-4), so a prompt of more than
+# this many bytes per max_model_len token cannot fit: it is refused before tokenizing a byte of it.
+MAX_PROMPT_BYTES_PER_TOKEN = 16
+
+
+def check_text_size(engine: LLMEngine, num_bytes: int, param: str) -> None:
+    """400 naming ``param`` when ``num_bytes`` of text could not fit max_model_len, whatever its tokens."""
+    limit = engine.max_model_len * MAX_PROMPT_BYTES_PER_TOKEN
+    if num_bytes > limit:
+        raise APIError(
+            400,
+            f"the prompt has {num_bytes} bytes of text: more than {limit} cannot fit "
+            f"max_model_len ({engine.max_model_len} tokens)",
+            param=param,
+        )
+
+
 def make_request(
     engine: LLMEngine,
     request_id: str,
@@ -135,7 +152,12 @@ def make_request(
     param: str,
     priority: int = 0,
 ) -> EngineRequest:
-    """Tokenize (keeping the last ``truncate_prompt_tokens``) and validate; 400 naming ``param``."""
+    """Tokenize (keeping the last ``truncate_prompt_tokens``) and validate; 400 naming ``param``.
+
+    Tokenizing takes time in proportion to the text: call it off the event loop (``run_in_threadpool``).
+    """
+    if isinstance(prompt, str) and truncate_prompt_tokens is None:
+        check_text_size(engine, len(prompt.encode("utf-8", "surrogatepass")), param)
     try:
         if truncate_prompt_tokens is not None:
             if isinstance(prompt, str):

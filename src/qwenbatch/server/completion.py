@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from qwenbatch.engine.async_engine import EngineNotReadyError
 from qwenbatch.engine.llm_engine import LLMEngine
@@ -52,10 +53,15 @@ async def create_completion(body: CompletionRequest, raw: Request):
     base_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = prompt_list(body.prompt)
     priority = allowed_priority(raw, body.priority)
-    requests = [
-        make_request(engine, f"{base_id}-{i}", p, params, body.stream, body.truncate_prompt_tokens, "prompt", priority)
-        for i, p in enumerate(prompts)
-    ]
+
+    def tokenize() -> list[EngineRequest]:
+        truncate = body.truncate_prompt_tokens
+        return [
+            make_request(engine, f"{base_id}-{i}", p, params, body.stream, truncate, "prompt", priority)
+            for i, p in enumerate(prompts)
+        ]
+
+    requests = await run_in_threadpool(tokenize)  # off the event loop: tokens take time in proportion to text
     view = _CompletionView(base_id, ctx.model_name, engine, body.n, body.echo, body.logprobs)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

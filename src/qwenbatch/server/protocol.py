@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
 MAX_N = 128  # samples per prompt; a bound so one request cannot queue unbounded work
@@ -19,8 +19,37 @@ Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
+def _holds_non_unicode(value: Any) -> bool:
+    """True when ``value`` holds, anywhere inside, a string no UTF-8 can encode (a lone surrogate)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_holds_non_unicode(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_holds_non_unicode(v) for v in value)
+    return False
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _unicode_text_only(cls, data: Any, handler):
+        # JSON may carry "\ud800"; no tokenizer or encoder can take it, so it is refused here, naming its field,
+        # for every request type at once (it was a 500 on paths that did not check).
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if _holds_non_unicode(value):
+                    raise ValidationError.from_exception_data(
+                        cls.__name__,
+                        [{"type": "string_unicode", "loc": (key,), "input": "<text with a lone surrogate>"}],
+                    )
+        return handler(data)
 
 
 class _Response(BaseModel):

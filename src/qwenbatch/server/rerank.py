@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 
 from qwenbatch.engine.llm_engine import LLMEngine
 from qwenbatch.engine.request import EngineRequest
@@ -45,8 +46,9 @@ async def rerank(body: RerankRequest, raw: Request):
     engine = ctx.admit(body.model)
     documents = [d if isinstance(d, str) else d.text for d in body.documents]
     base_id = f"rerank-{uuid.uuid4().hex}"
-    requests, truncated = _score_requests(
-        engine, base_id, [(body.query, d) for d in documents], body.instruction, allowed_priority(raw, body.priority)
+    pairs = [(body.query, d) for d in documents]
+    requests, truncated = await run_in_threadpool(
+        _score_requests, engine, base_id, pairs, body.instruction, allowed_priority(raw, body.priority)
     )
     outputs = await collect([ctx.engine.generate(r) for r in requests], raw)
     order = sorted(range(len(outputs)), key=lambda i: -outputs[i].score)
@@ -79,8 +81,9 @@ async def score(body: ScoreRequest, raw: Request):
         message = f"text_1 has {len(firsts)} items and text_2 {len(seconds)}: give one or as many"
         raise APIError(400, message, param="text_1")
     base_id = f"score-{uuid.uuid4().hex}"
-    requests, _ = _score_requests(
-        engine, base_id, list(zip(firsts, seconds, strict=True)), body.instruction, allowed_priority(raw, body.priority)
+    pairs = list(zip(firsts, seconds, strict=True))
+    requests, _ = await run_in_threadpool(
+        _score_requests, engine, base_id, pairs, body.instruction, allowed_priority(raw, body.priority)
     )
     outputs = await collect([ctx.engine.generate(r) for r in requests], raw)
     data = [{"index": i, "object": "score", "score": out.score} for i, out in enumerate(outputs)]
