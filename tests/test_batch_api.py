@@ -287,10 +287,12 @@ def test_sigkill_mid_batch_then_restart_resumes_with_every_line_exactly_once(tin
 
 
 def test_a_cancel_taken_just_before_a_crash_is_honoured_after_the_restart(tiny_qwen3, tmp_path):
+    num_lines = 300
     data_dir = tmp_path / "data"
     with _serve(tiny_qwen3, data_dir, tmp_path / "first.log") as (proc, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY_A, max_retries=0)
-        batch = submit(client, [chat_line(i, max_tokens=24) for i in range(30)])
+        # Enough work that the batch is still running when the server is frozen, however fast the engine is.
+        batch = submit(client, [chat_line(i, max_tokens=64) for i in range(num_lines)])
         wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2, "two lines done", 60)
         # The server is frozen, takes a cancel (written to its store as its route would) and dies before
         # its worker sees it.
@@ -302,8 +304,8 @@ def test_a_cancel_taken_just_before_a_crash_is_honoured_after_the_restart(tiny_q
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY_A, max_retries=0)
         done = run_to_end(client, batch.id)
     assert done.status == "cancelled"
-    assert 2 <= done.request_counts.completed < 30
-    assert done.request_counts.completed + done.request_counts.failed <= 30
+    assert 2 <= done.request_counts.completed < num_lines
+    assert done.request_counts.completed + done.request_counts.failed <= num_lines
 
 
 # -- the worker's backend: a busy server is waited for, never recorded as a failure --------------------

@@ -948,3 +948,15 @@ def test_text_too_long_for_any_tokenization_is_refused_before_tokenizing(tiny_se
     assert error["param"] == ("messages" if "chat" in path else "prompt") and "bytes" in error["message"], error
     assert calls == []
     assert_serving(tiny_server.url)
+
+
+def test_a_request_is_admitted_by_all_its_sequences_not_one(tiny_qwen3):
+    settings = ServerSettings(served_model_names=[MODEL], max_waiting_seqs=8)
+    with RunningServer(settings, engine_config(tiny_qwen3)) as server:
+        prompts = [[5, 6, 7]] * 3
+        body = {"model": MODEL, "prompt": prompts, "n": 3, "max_tokens": 2, "ignore_eos": True}  # 9 sequences
+        error = assert_error(httpx.post(server.url + "/v1/completions", json=body, timeout=60), 400)
+        assert error["param"] == "prompt" and "9 sequences" in error["message"], error
+        assert server.engine.num_unfinished_requests == 0  # nothing of it was queued
+        response = httpx.post(server.url + "/v1/completions", json={**body, "n": 2}, timeout=60)  # 6 fit
+        assert response.status_code == 200 and len(response.json()["choices"]) == 6, response.text

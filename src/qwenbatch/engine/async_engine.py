@@ -110,12 +110,19 @@ class AsyncEngine:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def check_capacity(self) -> None:
-        """QueueFullError when the waiting queue is at its bound (checked before making requests)."""
+    def check_capacity(self, num_seqs: int = 1) -> None:
+        """Before making a request of ``num_seqs`` sequences (prompts x n): ValueError when it alone is over
+        the waiting queue's bound (it can never be admitted), QueueFullError when the queue has no room
+        for all of it now."""
         self.ready_engine()
-        if self._num_waiting + self._num_submitted >= self.max_waiting_seqs:
+        if num_seqs > self.max_waiting_seqs:
+            raise ValueError(
+                f"the request makes {num_seqs} sequences (prompts x n); at most {self.max_waiting_seqs} can wait"
+            )
+        waiting = self._num_waiting + self._num_submitted
+        if waiting + num_seqs > self.max_waiting_seqs:
             raise QueueFullError(
-                f"{self._num_waiting + self._num_submitted} sequences are waiting (the bound is "
+                f"{waiting} sequences are waiting and this request adds {num_seqs} (the bound is "
                 f"{self.max_waiting_seqs}); retry later"
             )
 

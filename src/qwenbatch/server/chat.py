@@ -50,7 +50,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
     ctx: ServerContext = raw.app.state.ctx
-    engine = ctx.admit(body.model)
+    engine = ctx.admit(body.model, body.n, param="n")
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer (dummy weights); use /v1/completions with token ids")

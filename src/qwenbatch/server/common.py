@@ -78,15 +78,18 @@ class ServerContext:
     engine: AsyncEngine
     served_model_names: list[str]
 
-    def admit(self, model: str | None) -> LLMEngine:
-        """The engine for a request naming ``model``: 404 if unknown, 503 if loading or full."""
+    def admit(self, model: str | None, num_seqs: int = 1, param: str | None = None) -> LLMEngine:
+        """The engine for a request naming ``model`` that makes ``num_seqs`` sequences: 404 if the model is
+        unknown, 503 if loading or the queue has no room for all of them, 400 naming ``param`` if it never can."""
         if model is not None and model not in self.served_model_names:
             raise APIError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
         try:
-            self.engine.check_capacity()
+            self.engine.check_capacity(num_seqs)
             return self.engine.ready_engine()
         except (EngineNotReadyError, QueueFullError) as e:
             raise unavailable(str(e)) from e
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from e
 
     @property
     def model_name(self) -> str:

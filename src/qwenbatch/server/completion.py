@@ -48,10 +48,10 @@ def prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[s
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, raw: Request):
     ctx: ServerContext = raw.app.state.ctx
-    engine = ctx.admit(body.model)
+    prompts = prompt_list(body.prompt)
+    engine = ctx.admit(body.model, len(prompts) * body.n, param="prompt")
     params = sampling_params(body, body.max_tokens, body.logprobs)
     base_id = f"cmpl-{uuid.uuid4().hex}"
-    prompts = prompt_list(body.prompt)
     priority = allowed_priority(raw, body.priority)
 
     def tokenize() -> list[EngineRequest]:

@@ -43,7 +43,7 @@ def _score_requests(
 @router.post("/rerank")
 async def rerank(body: RerankRequest, raw: Request):
     ctx: ServerContext = raw.app.state.ctx
-    engine = ctx.admit(body.model)
+    engine = ctx.admit(body.model, len(body.documents), param="documents")
     documents = [d if isinstance(d, str) else d.text for d in body.documents]
     base_id = f"rerank-{uuid.uuid4().hex}"
     pairs = [(body.query, d) for d in documents]
@@ -72,9 +72,9 @@ async def rerank(body: RerankRequest, raw: Request):
 @router.post("/v1/score")
 async def score(body: ScoreRequest, raw: Request):
     ctx: ServerContext = raw.app.state.ctx
-    engine = ctx.admit(body.model)
     firsts = [body.text_1] if isinstance(body.text_1, str) else body.text_1
     seconds = [body.text_2] if isinstance(body.text_2, str) else body.text_2
+    engine = ctx.admit(body.model, max(len(firsts), len(seconds)), param="text_2")
     if len(firsts) == 1:
         firsts = firsts * len(seconds)
     if len(firsts) != len(seconds):
