@@ -262,7 +262,8 @@ def _serve(tiny_qwen3: Path, data_dir: Path, log: Path):
 
 def test_sigkill_mid_batch_then_restart_resumes_with_every_line_exactly_once(tiny_qwen3, tmp_path, reference):
     data_dir = tmp_path / "data"
-    lines = [chat_line(i, max_tokens=24) for i in range(30)]
+    # Enough lines that the batch is still running at the kill, however fast the engine is.
+    lines = [chat_line(i, max_tokens=24) for i in range(120)]
     with _serve(tiny_qwen3, data_dir, tmp_path / "first.log") as (proc, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY_A, max_retries=0)
         batch = submit(client, lines)
@@ -271,12 +272,12 @@ def test_sigkill_mid_batch_then_restart_resumes_with_every_line_exactly_once(tin
         proc.wait(30)
     store = BatchStore(data_dir)
     killed = store.get_batch(owner_id(KEY_A), batch.id)
-    assert killed.status == "in_progress" and killed.request_counts.completed < 30
+    assert killed.status == "in_progress" and killed.request_counts.completed < len(lines)
 
     with _serve(tiny_qwen3, data_dir, tmp_path / "second.log") as (_, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY_A, max_retries=0)
         done = run_to_end(client, batch.id)
-        assert done.status == "completed" and done.request_counts.completed == 30
+        assert done.status == "completed" and done.request_counts.completed == len(lines)
         results = output_lines(client, done.output_file_id)
     assert [r["custom_id"] for r in results] == [line["custom_id"] for line in lines]  # each exactly once
     expected = reference.chat(
@@ -352,3 +353,43 @@ def test_the_worker_retries_a_busy_answer_and_stops_when_the_engine_is_gone():
     with pytest.raises(EngineUnavailable, match="dead"):
         asyncio.run(send(app))
     assert len(calls) == 1
+
+
+def test_the_worker_survives_a_locked_store_reports_it_and_then_finishes_the_batch(
+    tiny_qwen3, tmp_path, monkeypatch
+):
+    import sqlite3
+
+    import httpx
+
+    from qwenbatch.server import batch_worker
+
+    locked = [True]
+    unfinished = BatchStore.unfinished_batches
+
+    def flaky(self):
+        if locked[0]:
+            raise sqlite3.OperationalError("database is locked")
+        return unfinished(self)
+
+    monkeypatch.setattr(BatchStore, "unfinished_batches", flaky)
+    monkeypatch.setattr(batch_worker, "RETRY_FIRST_S", 0.05)
+    monkeypatch.setattr(batch_worker, "RETRY_MAX_S", 0.2)
+    settings = ServerSettings(served_model_names=[MODEL], api_keys=[KEY_A], data_dir=tmp_path / "data")
+    config = EngineConfig(model=str(tiny_qwen3), dtype="float32", kv_cache_memory=2**24, max_num_seqs=4)
+    with RunningServer(settings, config) as srv:
+        auth = {"Authorization": f"Bearer {KEY_A}"}
+        health = wait_for(
+            lambda: (h := httpx.get(srv.url + "/health", headers=auth).json()).get("batch_worker") and h,
+            "the worker to report its error",
+        )
+        assert health["status"] == "healthy" and health["batch_worker"]["state"] == "retrying"
+        assert "database is locked" in health["batch_worker"]["error"]
+        assert "error" not in httpx.get(srv.url + "/health").json()["batch_worker"]  # not told to strangers
+        assert 'batch_worker_up{model_name="tiny"} 0.0' in httpx.get(srv.url + "/metrics", headers=auth).text
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY_A, max_retries=0)
+        batch = submit(client, [chat_line(i) for i in range(3)])
+        locked[0] = False
+        done = run_to_end(client, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 3
+        assert "batch_worker" not in httpx.get(srv.url + "/health").json()

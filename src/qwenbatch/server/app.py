@@ -77,9 +77,11 @@ def build_app(
         if worker is not None:
             worker.start()
         yield
-        if worker is not None:
-            await worker.stop()
-        engine.stop()
+        try:
+            if worker is not None:
+                await worker.stop()
+        finally:
+            engine.stop()
 
     app = FastAPI(title="qwenbatch", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ServerContext(engine, names)
@@ -92,6 +94,7 @@ def build_app(
         capacity = max(1, min(2 * engine_config.max_num_seqs, settings.max_waiting_seqs // 2))
         worker = BatchWorker(app, app.state.store, capacity)
         app.state.batch_worker = worker
+        metrics.track_batch_worker(lambda: worker.state)
     # With keys (the admin key counts) every route but /health needs one.
     app.add_middleware(
         GuardMiddleware,
@@ -159,11 +162,18 @@ def _add_routes(app: FastAPI, settings: ServerSettings, names: list[str], metric
     @app.get("/health")
     async def health(request: Request):
         state = ctx.engine.state
+        authenticated = "owner" in request.scope.get("state", {})  # only they see the errors' own words
+        worker = getattr(request.app.state, "batch_worker", None)
         if ctx.engine.is_healthy:
-            return OrjsonResponse({"status": "healthy"})
+            body: dict = {"status": "healthy"}
+            if worker is not None and worker.state in ("retrying", "stopped"):
+                body["batch_worker"] = {"state": worker.state}
+                if authenticated:
+                    body["batch_worker"]["error"] = worker.last_error
+            return OrjsonResponse(body)
         body = {"status": state.value}
-        if state is EngineState.DEAD and "owner" in request.scope.get("state", {}):
-            body["error"] = str(ctx.engine.error)  # the engine's own words: only for authenticated callers
+        if state is EngineState.DEAD and authenticated:
+            body["error"] = str(ctx.engine.error)
         return OrjsonResponse(body, status_code=503, headers={"Retry-After": "1"})
 
     @app.get("/v1/models")

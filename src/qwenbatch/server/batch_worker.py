@@ -21,6 +21,7 @@ import logging
 import os
 import secrets
 import shutil
+import sqlite3
 import time
 from pathlib import Path
 
@@ -40,6 +41,10 @@ COMPLETION_WINDOWS = {"24h": 24 * 3600}  # OpenAI's only window
 BATCH_PRIORITY = 1  # interactive requests have 0; lower is served first
 MAX_REPORTED_ERRORS = 100  # a failed validation lists this many line errors at most
 PROGRESS_INTERVAL_S = 1.0  # how often request_counts are written while a batch runs
+# After an error that is not one batch's (the store locked or its disk failing), the worker waits this
+# long, doubling up to the cap, and starts over from the store: nothing is lost, the batch resumes.
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 60.0
 BUSY_STATUSES = frozenset({429, 503})  # retried: the queue is full for now, or the engine is going away
 RETRY_FIRST_DELAY_S, RETRY_MAX_DELAY_S = 0.05, 2.0
 _PARAM_OF_CODE = {"invalid_url": "url", "invalid_method": "method", "invalid_body": "body", DUPLICATE: "custom_id"}
@@ -97,16 +102,23 @@ class BatchWorker:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._current: tuple[str, asyncio.Task] | None = None  # the batch running now and its run
+        # "starting", "running", "retrying" (after an error, with last_error) or "stopped" (the engine is gone)
+        self.state = "starting"
+        self.last_error: str | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        """Stop at once; what is not finished stays in the store, resumed at the next start."""
+        """Stop at once; what is not finished stays in the store, resumed at the next start. Never raises."""
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await self._task
+            except asyncio.CancelledError:
+                pass
+            except Exception:
+                logger.exception("the batch worker failed while stopping")
 
     def notify(self) -> None:
         """A batch was created or cancelled: look at the store again."""
@@ -119,10 +131,23 @@ class BatchWorker:
         self.notify()
 
     async def _loop(self) -> None:
-        try:
-            await self._run_batches()
-        except EngineUnavailable as e:
-            logger.warning("batch worker stopped: %s; unfinished batches resume at the next start", e)
+        """Supervise ``_run_batches``: any error that is not one batch's own is logged, reported (``state``,
+        ``last_error``) and retried with backoff; only the engine's end stops the worker."""
+        delay = RETRY_FIRST_S
+        while True:
+            try:
+                await self._run_batches()
+                self.state = "stopped"
+                return
+            except EngineUnavailable as e:
+                logger.warning("batch worker stopped: %s; unfinished batches resume at the next start", e)
+                self.state, self.last_error = "stopped", str(e)
+                return
+            except Exception as e:
+                logger.exception("batch worker error; retrying in %.0f s", delay)
+                self.state, self.last_error = "retrying", f"{type(e).__name__}: {e}"
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, RETRY_MAX_S)
 
     async def _run_batches(self) -> None:
         from qwenbatch.engine.async_engine import EngineState
@@ -133,11 +158,12 @@ class BatchWorker:
         while engine.state is EngineState.READY:
             self._wake.clear()
             batches = await asyncio.to_thread(self.store.unfinished_batches)
+            self.state = "running"
             for batch in batches:
                 try:
                     await self._process(batch)
-                except (asyncio.CancelledError, EngineUnavailable):
-                    raise
+                except (asyncio.CancelledError, EngineUnavailable, sqlite3.Error, OSError):
+                    raise  # not this batch's fault: the supervisor retries, the batch resumes where it was
                 except Exception:  # a broken batch must not stop the others
                     logger.exception("batch %s failed in the worker", batch.id)
                     await self._fail(batch, "internal_error", "the server failed while running the batch")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import prometheus_client
 import psutil
@@ -83,6 +84,12 @@ class ServerMetrics:
         self._window: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, generated tokens)
         self._lock = threading.Lock()
         self._prefix_seen = (0, 0)
+
+    def track_batch_worker(self, state: Callable[[], str]) -> None:
+        """Export the Batch API worker's health: 1 while it runs (or starts), 0 while it retries or stopped."""
+        doc = "1 while the Batch API worker runs, 0 while it retries after an error or has stopped."
+        up = Gauge(P + "batch_worker_up", doc, ["model_name"], registry=self.registry).labels(self.model_name)
+        up.set_function(lambda: float(state() in ("starting", "running")))
 
     def record(self, it: IterationStats, sched: SchedulerStats) -> None:
         """Fold one step's stats in (called on the engine thread)."""
