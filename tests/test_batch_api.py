@@ -4,6 +4,7 @@ below interactive requests in priority, and a SIGKILL mid-batch resumed exactly 
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 from pathlib import Path
@@ -393,3 +394,61 @@ def test_the_worker_survives_a_locked_store_reports_it_and_then_finishes_the_bat
         done = run_to_end(client, batch.id)
         assert done.status == "completed" and done.request_counts.completed == 3
         assert "batch_worker" not in httpx.get(srv.url + "/health").json()
+
+
+# -- finalizing survives crashes: a torn result log, a crash between a file and its id ---------------
+
+
+def _result(i: int) -> dict:
+    body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"answer {i}"}}]}
+    return {"id": f"r{i}", "custom_id": f"req-{i}", "response": {"status_code": 200, "body": body}, "error": None}
+
+
+def _cancelling_batch_with_a_torn_log(store: BatchStore, lines: int = 4):
+    """A cancelled-while-running batch as a crash leaves it: two answers logged, the third torn mid-write."""
+    upload = store.create_file("o", "in.jsonl", "batch", io.BytesIO(jsonl([chat_line(i) for i in range(lines)])))
+    batch = store.create_batch("o", CHAT, upload.id, "24h", None, None)
+    folder = store.batch_dir(batch.id)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "input.jsonl").write_bytes(jsonl([chat_line(i) for i in range(lines)]))
+    log = b"".join(json.dumps(_result(i)).encode() + b"\n" for i in range(2))
+    (folder / "results.jsonl").write_bytes(log + json.dumps(_result(2)).encode()[:25])
+    store.update_batch(batch.id, status="cancelling")
+    return store.get_batch("o", batch.id)
+
+
+def test_a_torn_last_result_does_not_fail_a_cancelled_batch(tmp_path):
+    from qwenbatch.server.batch_worker import BatchWorker
+
+    store = BatchStore(tmp_path / "data")
+    batch = _cancelling_batch_with_a_torn_log(store)
+    BatchWorker(app=None, store=store, capacity=1)._finalize(batch)
+    done = store.get_batch("o", batch.id)
+    assert done.status == "cancelled" and done.request_counts.completed == 2
+    output = store.file_path("o", done.output_file_id).read_text().splitlines()
+    assert [json.loads(line)["custom_id"] for line in output] == ["req-0", "req-1"]
+
+
+def test_finalizing_again_after_a_crash_reuses_the_stored_output_file(tmp_path, monkeypatch):
+    from qwenbatch.server.batch_worker import BatchWorker
+
+    store = BatchStore(tmp_path / "data")
+    batch = _cancelling_batch_with_a_torn_log(store)
+    update = BatchStore.update_batch
+    crashed = []
+
+    def crash_before_naming_the_file(self, batch_id, **changes):
+        if "output_file_id" in changes and not crashed:
+            crashed.append(batch_id)
+            raise OSError("the process died here")
+        return update(self, batch_id, **changes)
+
+    monkeypatch.setattr(BatchStore, "update_batch", crash_before_naming_the_file)
+    worker = BatchWorker(app=None, store=store, capacity=1)
+    with pytest.raises(OSError):
+        worker._finalize(batch)
+    worker._finalize(store.get_batch("o", batch.id))
+    done = store.get_batch("o", batch.id)
+    assert done.status == "cancelled"
+    outputs = store.list_files("o", purpose="batch_output")
+    assert [f.id for f in outputs] == [done.output_file_id]  # one file, not a second copy

@@ -29,10 +29,18 @@ import httpx
 import orjson
 
 from qwenbatch.batch.backends import response_json
-from qwenbatch.batch.jsonl import CHAT_URL, COMPLETIONS_URL, DUPLICATE, RERANK_URL, parse_lines, write_in_input_order
+from qwenbatch.batch.jsonl import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    DUPLICATE,
+    RERANK_URL,
+    ResultLog,
+    parse_lines,
+    write_in_input_order,
+)
 from qwenbatch.batch.runner import BatchOptions, run_batch, succeeded
 from qwenbatch.server.guard import INTERNAL_OWNER_HEADER
-from qwenbatch.server.storage import BatchError, BatchRecord, BatchStore, RequestCounts
+from qwenbatch.server.storage import BatchError, BatchRecord, BatchStore, RequestCounts, derived_file_id
 
 logger = logging.getLogger(__name__)
 
@@ -270,18 +278,22 @@ class BatchWorker:
         """Write the output and error files from what is done, then the final status."""
         folder = self.store.batch_dir(batch.id)
         results, input_path = folder / "results.jsonl", folder / "input.jsonl"
+        if results.is_file():  # cut a torn last line (a crash mid-write), exactly as run-batch resumes its log
+            log = ResultLog(results)
+            log.open(resume=True)
+            log.close()
         counts = _count_results(results, batch.request_counts.total)
         if results.is_file() and input_path.is_file():
             with open(input_path, encoding="utf-8-sig", errors="replace") as f:
                 order = [(line.custom_id, line.occurrence) for line in parse_lines(f, "openai")]
             write_in_input_order(results, order)
             outputs, errors = _split(results, folder)
-            if outputs and batch.output_file_id is None:
-                record = self.store.add_file_from_path(batch.owner, f"{batch.id}_output.jsonl", "batch_output", outputs)
-                batch = self.store.update_batch(batch.id, output_file_id=record.id)
-            if errors and batch.error_file_id is None:
-                record = self.store.add_file_from_path(batch.owner, f"{batch.id}_error.jsonl", "batch_output", errors)
-                batch = self.store.update_batch(batch.id, error_file_id=record.id)
+            # Ids derived from the batch: finalizing again after a crash reuses a file already stored.
+            for path, kind, field in ((outputs, "output", "output_file_id"), (errors, "error", "error_file_id")):
+                if path and getattr(batch, field) is None:
+                    name, file_id = f"{batch.id}_{kind}.jsonl", derived_file_id(batch.id, kind)
+                    record = self.store.add_file_from_path(batch.owner, name, "batch_output", path, file_id)
+                    batch = self.store.update_batch(batch.id, **{field: record.id})
         if batch.status == "cancelling":
             final = "cancelled"
         elif batch.status == "finalizing":

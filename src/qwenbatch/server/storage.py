@@ -19,6 +19,7 @@ worker's frequent progress updates do not each wait on the disk.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -240,13 +241,19 @@ class BatchStore:
         finally:
             tmp.unlink(missing_ok=True)  # already moved away unless something failed
 
-    def add_file_from_path(self, owner: str, filename: str, purpose: str, tmp_path: Path | str) -> FileRecord:
+    def add_file_from_path(
+        self, owner: str, filename: str, purpose: str, tmp_path: Path | str, file_id: str | None = None
+    ) -> FileRecord:
         """Adopt a finished file (the worker's output): moved, not copied, so it must be on data_dir's disk
-        (write it under ``batch_dir(...)``)."""
+        (write it under ``batch_dir(...)``). With ``file_id``, idempotent: when that file exists already
+        (a crash came after its row, before the batch named it) it is returned and ``tmp_path`` dropped."""
         path = Path(tmp_path)
+        if file_id is not None and (existing := self.get_file(owner, file_id)) is not None:
+            path.unlink(missing_ok=True)
+            return existing
         with open(path, "rb") as f:
             os.fsync(f.fileno())  # on disk before the row that names it
-        return self._commit_file(owner, filename, purpose, path, path.stat().st_size)
+        return self._commit_file(owner, filename, purpose, path, path.stat().st_size, file_id)
 
     def get_file(self, owner: str, file_id: str) -> FileRecord | None:
         """The file, or None if there is none of that id for this owner."""
@@ -404,9 +411,12 @@ class BatchStore:
         finally:
             conn.close()
 
-    def _commit_file(self, owner: str, filename: str, purpose: str, blob: Path, size: int) -> FileRecord:
-        """Move a synced blob into ``files/`` under a new id, then insert its row (the blob goes if that fails)."""
-        record = FileRecord(_new_id("file-"), owner, size, int(time.time()), filename, purpose)
+    def _commit_file(
+        self, owner: str, filename: str, purpose: str, blob: Path, size: int, file_id: str | None = None
+    ) -> FileRecord:
+        """Move a synced blob into ``files/`` under ``file_id`` (default: a new one), then insert its row (the
+        blob goes if that fails)."""
+        record = FileRecord(file_id or _new_id("file-"), owner, size, int(time.time()), filename, purpose)
         path = self.files_dir / record.id
         os.replace(blob, path)
         _fsync_dir(self.files_dir)
@@ -428,6 +438,11 @@ class BatchStore:
             with contextlib.suppress(FileNotFoundError):
                 if path.stat().st_mtime < cutoff:
                     path.unlink()
+
+
+def derived_file_id(batch_id: str, kind: str) -> str:
+    """The id of a batch's ``kind`` ("output" or "error") file: the same every time it is written."""
+    return "file-" + hashlib.sha256(f"{batch_id}:{kind}".encode()).hexdigest()[:24]
 
 
 def _new_id(prefix: str) -> str:
