@@ -452,3 +452,32 @@ def test_finalizing_again_after_a_crash_reuses_the_stored_output_file(tmp_path, 
     assert done.status == "cancelled"
     outputs = store.list_files("o", purpose="batch_output")
     assert [f.id for f in outputs] == [done.output_file_id]  # one file, not a second copy
+
+
+def test_a_full_disk_or_a_locked_database_is_openai_json_a_client_can_retry(server, client, monkeypatch):
+    import errno
+    import sqlite3
+
+    import httpx
+
+    kept = client.files.create(file=("kept.jsonl", jsonl([chat_line(0)])), purpose="batch")
+    create = BatchStore.create_file
+    failures = {"disk": OSError(errno.ENOSPC, "No space left on device"), "db": sqlite3.OperationalError("locked")}
+    for kind, status in (("disk", 507), ("db", 503)):
+
+        def failing(self, *args, _e=failures[kind], **kwargs):
+            raise _e
+
+        monkeypatch.setattr(BatchStore, "create_file", failing)
+        response = httpx.post(
+            server.url + "/v1/files",
+            headers={"Authorization": f"Bearer {KEY_A}"},
+            files={"file": ("x.jsonl", jsonl([chat_line(1)]))},
+            data={"purpose": "batch"},
+        )
+        assert response.status_code == status, response.text
+        assert response.headers["content-type"].startswith("application/json")
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        assert int(response.headers["retry-after"]) > 0
+    monkeypatch.setattr(BatchStore, "create_file", create)
+    assert kept.id in [f.id for f in client.files.list()]  # nothing stored was lost

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
+import sqlite3
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -138,6 +140,23 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ClientDisconnected)
     async def disconnected(_: Request, e: ClientDisconnected):
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+    # The Files and Batch APIs' store: a full disk or a locked database is the server's state, not the
+    # request's fault; answer OpenAI-shaped JSON a client can retry on (the store loses nothing stored).
+    @app.exception_handler(OSError)
+    async def storage_error(_: Request, e: OSError):
+        logger.error("storage error: %s", e)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            error = APIError(507, "the server's storage is full; retry later", "server_error", code="storage_full")
+        else:
+            error = APIError(503, f"the server's storage failed ({e.strerror or e}); retry later", "server_error")
+        return OrjsonResponse(error.body(), status_code=error.status, headers={"Retry-After": "30"})
+
+    @app.exception_handler(sqlite3.Error)
+    async def database_error(_: Request, e: sqlite3.Error):
+        logger.error("database error: %s", e)
+        error = APIError(503, f"the server's database is unavailable ({e}); retry later", "server_error")
+        return OrjsonResponse(error.body(), status_code=503, headers={"Retry-After": "5"})
 
 
 # pydantic names the branch of a union it tried ("prompt.str", "content.list[TextPart]"); clients want the field.
