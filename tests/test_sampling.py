@@ -458,3 +458,12 @@ def test_non_finite_activations_fail_only_the_affected_request(llm16):
     outs = llm16.generate(clean, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_every_kind_of_non_finite_logit_is_flagged():
+    logits = random_logits(5, seed=9) * 50  # large but finite logits stay finite
+    logits[1, 3] = float("-inf")
+    logits[2, 0], logits[2, 7] = float("inf"), float("-inf")  # they would cancel to NaN in a sum: still flagged
+    logits[3, 1] = float("nan")
+    out = sample(logits, [row(SamplingParams(temperature=0))] * 5)
+    assert out.non_finite == [False, True, True, True, False]
