@@ -714,7 +714,7 @@ def test_metrics_parse_and_every_series_is_there(url):
         assert name in m, name
     for reason in REASONS:
         assert f'request_success_total{{finished_reason="{reason}"}}' in m
-    assert m["process_resident_memory_bytes"] > 2**20
+    assert m["process_resident_memory_bytes"] > 2**20 and m["kv_cache_bytes"] > 0  # known from the start
 
 
 def delta(before: dict[str, float], after: dict[str, float], name: str) -> float:

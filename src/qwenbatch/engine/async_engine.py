@@ -210,7 +210,7 @@ class AsyncEngine:
 
     def _loop_forever(self) -> None:
         engine = self.engine
-        idle_stats_pending = False
+        idle_stats_pending = True  # publish the state once the engine is loaded (the KV pool's size, say)
         while not self._stopping:
             if self._run_commands():
                 idle_stats_pending = True  # e.g. an abort while idle: its stats must not wait for the next step
