@@ -20,8 +20,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
@@ -960,3 +961,34 @@ def test_a_request_is_admitted_by_all_its_sequences_not_one(tiny_qwen3):
         assert server.engine.num_unfinished_requests == 0  # nothing of it was queued
         response = httpx.post(server.url + "/v1/completions", json={**body, "n": 2}, timeout=60)  # 6 fit
         assert response.status_code == 200 and len(response.json()["choices"]) == 6, response.text
+
+
+def _raw_exchange(url: str, head: bytes, body: bytes, read_timeout: float = 10.0) -> tuple[bytes, float]:
+    """Send ``head`` and then ``body`` over a raw connection, and stall; the reply and seconds until its
+    first byte came."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=read_timeout) as s:
+        start, first = time.monotonic(), None
+        s.sendall(head + body)
+        reply = b""
+        with suppress(TimeoutError):
+            while chunk := s.recv(65536):
+                first = first or time.monotonic()
+                reply += chunk
+        return reply, (first or time.monotonic()) - start
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/files"])
+def test_a_trickling_body_is_408_after_the_request_timeout(tiny_qwen3, tmp_path, path):
+    settings = ServerSettings(served_model_names=[MODEL], request_timeout_s=0.5, data_dir=tmp_path / "data")
+    with RunningServer(settings, engine_config(tiny_qwen3)) as server:
+        upload = path == "/v1/files"
+        kind = "multipart/form-data; boundary=b0undary" if upload else "application/json"
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {kind}\r\nContent-Length: 100000\r\n\r\n"
+        start = b'--b0undary\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n{"a'
+        reply, waited = _raw_exchange(server.url, head.encode(), start if upload else b'{"model": "tin')
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert b"request_timeout" in reply and waited < 5
+        assert_serving(server.url)

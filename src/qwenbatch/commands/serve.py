@@ -78,6 +78,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="most requests in one batch's input file (400 above it)",
     )
     serve.add_argument(
+        "--request-timeout",
+        type=float,
+        default=float(env("QWENBATCH_REQUEST_TIMEOUT", "60")),
+        help="seconds a request body may take to arrive (an upload: the longest stall between chunks); 408 after",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=int(env("QWENBATCH_MAX_CONNECTIONS", "1024")),
+        help="most concurrent connections and requests; more are answered 503 at once (uvicorn's limit_concurrency)",
+    )
+    serve.add_argument(
         "--shutdown-timeout",
         type=float,
         default=float(env("QWENBATCH_SHUTDOWN_TIMEOUT", "30")),
@@ -100,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
 
     from qwenbatch.loader import check_model_source
 
+    if args.max_connections < 1:
+        raise ValueError(f"--max-connections must be >= 1, got {args.max_connections}")
     config = engine_config_from_args(args)
     check_model_source(config.model, config.load_format)  # a bad --model fails here, not after listening
     names = args.served_model_name or ([config.model, DEFAULT_MODEL_NAME] if config.model == "default" else None)
@@ -119,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         max_file_bytes=args.max_file_bytes,
         max_batch_requests=args.max_batch_requests,
         on_fatal=on_fatal,
+        request_timeout_s=args.request_timeout,
     )
     app = build_app(settings, config)
     server = uvicorn.Server(
@@ -127,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             timeout_graceful_shutdown=args.shutdown_timeout,
+            limit_concurrency=args.max_connections,
             log_level="debug" if args.verbose else "info",
         )
     )

@@ -48,6 +48,7 @@ class ServerSettings:
     max_batch_requests: int = 50_000  # most requests in one batch's input file (OpenAI's limit)
     batch_api: bool = True  # /v1/files and /v1/batches, and the worker running the batches
     on_fatal: Callable[[BaseException], None] | None = None  # called if the engine cannot load or dies
+    request_timeout_s: float = 60.0  # a body must arrive within this (an upload: no stall this long); else 408
 
     def __post_init__(self) -> None:
         if self.max_waiting_seqs < 1:
@@ -58,6 +59,8 @@ class ServerSettings:
             raise ValueError(f"max_file_bytes must be >= 1, got {self.max_file_bytes}")
         if self.max_batch_requests < 1:
             raise ValueError(f"max_batch_requests must be >= 1, got {self.max_batch_requests}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if any(not key or key != key.strip() for key in self.api_keys):
             raise ValueError("an API key must be non-empty and have no surrounding whitespace")
 
@@ -102,6 +105,7 @@ def build_app(
         GuardMiddleware,
         api_keys=settings.api_keys,
         admin_api_key=settings.admin_api_key,
+        body_timeout_s=settings.request_timeout_s,
         max_body_bytes=settings.max_body_bytes,
         max_file_bytes=settings.max_file_bytes,
         internal_token=worker.token if worker else None,

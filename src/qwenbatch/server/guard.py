@@ -6,6 +6,7 @@ and hide client disconnects from the endpoints.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 from collections.abc import Sequence
@@ -67,6 +68,7 @@ class GuardMiddleware:
         max_file_bytes: int,
         internal_token: str | None = None,
         admin_api_key: str | None = None,
+        body_timeout_s: float = 60.0,
     ) -> None:
         self.app = app
         # The admin key is a key like the others too (a server may have it alone).
@@ -78,6 +80,9 @@ class GuardMiddleware:
         self.internal_token = internal_token.encode() if internal_token else None
         self.max_body_bytes = max_body_bytes
         self.max_file_bytes = max_file_bytes
+        # A client that trickles its body (a byte a second) would hold a connection and its buffer forever:
+        # a JSON body must arrive whole within this, an upload must not stall this long between chunks.
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -125,18 +130,23 @@ class GuardMiddleware:
             await self._body_too_large(send, declared)
             return
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                await self._body_too_large(send, size)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        await self._body_too_large(send, size)
+                        return
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            await self._body_too_slow(send)
+            return
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
     async def _pass_upload(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -154,7 +164,12 @@ class GuardMiddleware:
             nonlocal size, cut_off
             if cut_off:
                 return {"type": "http.disconnect"}
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except TimeoutError:
+                cut_off = True
+                await self._body_too_slow(send)
+                return {"type": "http.disconnect"}
             size += len(message.get("body", b""))
             if size > limit:
                 cut_off = True
@@ -167,6 +182,10 @@ class GuardMiddleware:
                 await send(message)
 
         await self.app(scope, counting_receive, send_unless_cut_off)
+
+    async def _body_too_slow(self, send: Send) -> None:
+        message = f"the request body did not arrive within {self.body_timeout_s:g} s"
+        await send_error(send, 408, message, "invalid_request_error", "request_timeout")
 
     async def _body_too_large(self, send: Send, size: int) -> None:
         message = f"the request body has {size} bytes or more; the limit is {self.max_body_bytes}"
