@@ -992,3 +992,22 @@ def test_a_trickling_body_is_408_after_the_request_timeout(tiny_qwen3, tmp_path,
         assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
         assert b"request_timeout" in reply and waited < 5
         assert_serving(server.url)
+
+
+@pytest.mark.parametrize("client", ["httpx", "urllib"])
+def test_a_body_far_over_the_limit_still_gets_its_413_read(guarded, client):
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps(completion(user="x" * (8 * 2**20))).encode()  # 8 MiB against a 4 KiB limit
+    headers = {**USER, "content-type": "application/json"}
+    if client == "httpx":
+        response = httpx.post(guarded.url + "/v1/completions", content=body, headers=headers, timeout=60)
+        status, payload = response.status_code, response.json()
+    else:
+        request = urllib.request.Request(guarded.url + "/v1/completions", data=body, headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=60)
+        status, payload = caught.value.code, json.loads(caught.value.read())
+    assert status == 413 and payload["error"]["code"] == "request_too_large", payload
+    assert_serving(guarded.url, USER)

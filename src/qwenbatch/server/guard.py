@@ -7,6 +7,7 @@ and hide client disconnects from the endpoints.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 from collections.abc import Sequence
@@ -21,6 +22,8 @@ UPLOAD_PATHS = frozenset({"/v1/files"})  # POSTs here are streamed through, held
 # itself to max_file_bytes exactly.
 MULTIPART_SLACK_BYTES = 64 * 2**10
 INTERNAL_OWNER_HEADER = b"x-qwenbatch-owner"
+# A refused body is read and dropped up to this many bytes, so the client gets to read the 413.
+DRAIN_MAX_BYTES = 64 * 2**20
 
 
 def owner_id(api_key: str) -> str:
@@ -127,6 +130,7 @@ class GuardMiddleware:
     async def _pass_buffered(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = _content_length(scope)
         if declared is not None and declared > self.max_body_bytes:
+            await self._drain(receive, declared)
             await self._body_too_large(send, declared)
             return
         chunks, size = [], 0
@@ -139,6 +143,8 @@ class GuardMiddleware:
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > self.max_body_bytes:
+                        if message.get("more_body", False):
+                            await self._drain(receive, declared)
                         await self._body_too_large(send, size)
                         return
                     chunks.append(chunk)
@@ -182,6 +188,21 @@ class GuardMiddleware:
                 await send(message)
 
         await self.app(scope, counting_receive, send_unless_cut_off)
+
+    async def _drain(self, receive: Receive, declared: int | None) -> None:
+        """Read and drop the rest of a refused body (up to DRAIN_MAX_BYTES, within the body timeout) before
+        answering, so a client still sending it reads the 413 instead of a reset connection (urllib; uvicorn
+        delivers no body once the response is complete). A declared body over the bound is not waited for."""
+        if declared is not None and declared > DRAIN_MAX_BYTES:
+            return
+        drained = 0
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.body_timeout_s):
+                while drained <= DRAIN_MAX_BYTES:
+                    message = await receive()
+                    drained += len(message.get("body", b""))
+                    if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                        return
 
     async def _body_too_slow(self, send: Send) -> None:
         message = f"the request body did not arrive within {self.body_timeout_s:g} s"
