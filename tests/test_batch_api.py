@@ -481,3 +481,33 @@ def test_a_full_disk_or_a_locked_database_is_openai_json_a_client_can_retry(serv
         assert int(response.headers["retry-after"]) > 0
     monkeypatch.setattr(BatchStore, "create_file", create)
     assert kept.id in [f.id for f in client.files.list()]  # nothing stored was lost
+
+
+def test_a_line_longer_than_the_body_limit_fails_validation_naming_it(tiny_qwen3, tmp_path):
+    settings = ServerSettings(
+        served_model_names=[MODEL], api_keys=[KEY_A], data_dir=tmp_path / "data", max_body_bytes=4096
+    )
+    config = EngineConfig(model=str(tiny_qwen3), dtype="float32", kv_cache_memory=2**24, max_num_seqs=4)
+    with RunningServer(settings, config) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY_A, max_retries=0)
+        huge = chat_line(1)
+        huge["body"]["messages"][0]["content"] = "x" * 100_000
+        done = run_to_end(client, submit(client, [chat_line(0), huge, chat_line(2)]).id)
+    assert done.status == "failed"
+    [error] = done.errors.data
+    assert (error.code, error.line) == ("line_too_long", 2)
+
+
+def test_bounded_lines_never_holds_more_than_the_bound_of_one_line():
+    from qwenbatch.batch.jsonl import OverlongLine, bounded_lines
+
+    sizes: list[int] = []
+
+    class Recording(io.StringIO):
+        def readline(self, size=-1):
+            sizes.append(size)
+            return super().readline(size)
+
+    lines = list(bounded_lines(Recording("short\n" + "y" * 1000 + "\nlast"), max_chars=64))
+    assert lines[0] == "short\n" and isinstance(lines[1], OverlongLine) and lines[2] == "last"
+    assert sizes and all(0 < size <= 65 for size in sizes)

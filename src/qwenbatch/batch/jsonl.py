@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 import orjson
 
@@ -48,6 +49,25 @@ class BatchLine:
         return self.error_code is None
 
 
+class OverlongLine(str):
+    """Stands for a line ``bounded_lines`` read past without keeping it; ``parse_lines`` makes it an error line."""
+
+
+LINE_TOO_LONG = "line_too_long"
+
+
+def bounded_lines(f: TextIO, max_chars: int) -> Iterator[str]:
+    """The lines of ``f``, holding at most ``max_chars`` + 1 characters of one at a time: a longer line is
+    read past in pieces and yields an OverlongLine, so one 150 MB line costs no 150 MB of memory."""
+    while line := f.readline(max_chars + 1):
+        if len(line) > max_chars and not line.endswith("\n"):
+            while (rest := f.readline(max_chars + 1)) and not rest.endswith("\n"):
+                pass
+            yield OverlongLine()
+        else:
+            yield line
+
+
 def parse_lines(
     lines: Iterable[str],
     input_format: str = "auto",
@@ -63,9 +83,13 @@ def parse_lines(
     index = 0
     for number, raw in enumerate(lines, start=1):
         text = raw.strip()
-        if not text:
+        if isinstance(raw, OverlongLine):
+            message = f"line {number} is longer than the longest request body allowed"
+            line = BatchLine(index, f"line-{number}", error_code=LINE_TOO_LONG, error_message=message)
+        elif not text:
             continue
-        line = _parse_one(text, number, index, input_format, endpoints, prompt_url)
+        else:
+            line = _parse_one(text, number, index, input_format, endpoints, prompt_url)
         line.number = number
         if line.valid and defaults:
             line.body = {**defaults, **line.body}

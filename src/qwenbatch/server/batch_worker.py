@@ -35,6 +35,7 @@ from qwenbatch.batch.jsonl import (
     DUPLICATE,
     RERANK_URL,
     ResultLog,
+    bounded_lines,
     parse_lines,
     write_in_input_order,
 )
@@ -198,8 +199,10 @@ class BatchWorker:
         tmp = folder / "input.jsonl.tmp"
         shutil.copyfile(source, tmp)
         errors, total = [], 0
+        # No line may be longer than the longest request body: read in bounded pieces, never whole.
+        max_chars = self.app.state.settings.max_body_bytes
         with open(tmp, encoding="utf-8-sig", errors="replace") as f:
-            for line in parse_lines(f, "openai", endpoints=(batch.endpoint,)):
+            for line in parse_lines(bounded_lines(f, max_chars), "openai", endpoints=(batch.endpoint,)):
                 total += 1
                 if not line.valid:
                     message = line.error_message
