@@ -26,6 +26,7 @@ import torch
 from qwenbatch import LLM, SamplingParams
 from qwenbatch.bench.baseline import best_batch_size, pad_token_id, run_static
 from qwenbatch.bench.workloads import BenchRequest, random_workload
+from qwenbatch.loader.dummy import SHAPES
 
 TINY = dict(  # the smoke model and the parity model: a few layers, GQA 4/2, head_dim 32
     vocab_size=512,
@@ -42,20 +43,8 @@ TINY = dict(  # the smoke model and the parity model: a few layers, GQA 4/2, hea
     initializer_range=0.1,
     eos_token_id=1,
 )
-QWEN3_0_6B = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    rms_norm_eps=1e-6,
-    rope_theta=1_000_000.0,
-    tie_word_embeddings=True,
-    eos_token_id=151645,
-)
+# transformers' Qwen3Config of the engine's own dummy shape, so both systems run the same model.
+QWEN3_0_6B = {k: v for k, v in SHAPES["qwen3-0.6b"].items() if k != "architectures"}
 
 
 def tiny_checkpoint(folder: Path) -> Path:

@@ -18,11 +18,10 @@ import bisect
 import logging
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from qwenbatch.layers.attention import StepLayout
-from qwenbatch.layers.triton_backend import TritonAttentionMetadata
+from qwenbatch.layers.triton_backend import TritonAttentionMetadata, block_table_array
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +72,9 @@ class DecodeBuffers:
             raise ValueError(f"a {size}-row decode graph cannot run a step of {n} decodes and prefill chunks")
         if size > self.input_ids.shape[0]:
             raise ValueError(f"{size} rows exceed the buffers' {self.input_ids.shape[0]}")
-        width = max(len(t) for t in layout.decode_tables)
-        tables = np.zeros((size, width), dtype=np.int32)
-        for i, table in enumerate(layout.decode_tables):
-            tables[i, : len(table)] = table
         pad = size - n
+        width = max(len(t) for t in layout.decode_tables)
+        tables = block_table_array(layout.decode_tables + [[]] * pad, width)
         self.input_ids[:size].copy_(torch.tensor(layout.input_ids + [0] * pad))
         self.positions[:size].copy_(torch.tensor(layout.positions + [0] * pad))
         self.slot_mapping[:size].copy_(torch.tensor(layout.slot_mapping + [-1] * pad))
