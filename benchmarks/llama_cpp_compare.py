@@ -18,7 +18,7 @@ import torch
 
 from qwenbatch import LLM, SamplingParams
 from qwenbatch.bench.llama_cpp import bin_dir, build_info
-from qwenbatch.bench.machine import copy_bandwidth_gbs, gemm_gflops
+from qwenbatch.bench.machine import copy_bandwidth_gbs, gemm_gflops, read_bandwidth_gbs
 from qwenbatch.bench.throughput import matmul_params
 from qwenbatch.bench.workloads import random_workload
 from qwenbatch.loader.default_model import default_gguf_path
@@ -73,6 +73,7 @@ def ours_decode_tps(llm: LLM, ntg: int = 64) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none", choices=["none", "int8"])
     parser.add_argument("--parallel", default="1,16,64")
     parser.add_argument("--prefill-lens", default="1024,4096")
     parser.add_argument("--output", type=Path)
@@ -80,17 +81,25 @@ def main() -> None:
     parallel = [int(p) for p in args.parallel.split(",")]
     prefill_lens = [int(n) for n in args.prefill_lens.split(",")]
 
-    llm = LLM(model="default", dtype=args.dtype, max_num_seqs=max(parallel), max_model_len=max(prefill_lens) + 64)
+    llm = LLM(
+        model="default",
+        dtype=args.dtype,
+        quantization=args.quantization,
+        max_num_seqs=max(parallel),
+        max_model_len=max(prefill_lens) + 64,
+    )
     dtype = llm.engine.dtype
     layer_params, head_params = matmul_params(llm.engine.model_config)
     report: dict = {
         "cpu": cpu_kind(),
         "dtype": str(dtype).removeprefix("torch."),
         "linear_kernels": llm.engine.runner.linear_kernels,
+        "quantization": args.quantization,
         "threads": torch.get_num_threads(),
         "llama_cpp": {k: build_info(bin_dir()).get(k) for k in ("llama_cpp_commit", "cmake_flags")},
         "gemm_2048_gflops": gemm_gflops(dtype),
         "copy_bandwidth_gbs": copy_bandwidth_gbs(),
+        "read_bandwidth_gbs": read_bandwidth_gbs(),
     }
     ours_parallel(llm, 2, 32, 4)  # warm-up
     rows = []
@@ -110,13 +119,15 @@ def main() -> None:
     report["parallel"] = rows
     decode_theirs = theirs[1]["speed_tg"]
     decode_ours = ours_decode_tps(llm)
-    weight_bytes = (layer_params + head_params) * torch.tensor([], dtype=dtype).element_size()
+    # int8: a byte a weight and a float16 scale per 32
+    bytes_per_weight = 1 + 2 / 32 if args.quantization == "int8" else torch.tensor([], dtype=dtype).element_size()
+    weight_bytes = (layer_params + head_params) * bytes_per_weight
     report["batch1_decode"] = {
         "ours_tps": decode_ours,
         "llama_cpp_tps": decode_theirs,
         "ours_over_llama_cpp": decode_ours / decode_theirs,
         "ours_weight_read_gbs": weight_bytes * decode_ours / 1e9,
-        "fraction_of_copy_bandwidth": weight_bytes * decode_ours / 1e9 / report["copy_bandwidth_gbs"],
+        "fraction_of_read_bandwidth": weight_bytes * decode_ours / 1e9 / report["read_bandwidth_gbs"],
     }
     prefills = []
     for n in prefill_lens:

@@ -356,9 +356,7 @@ def test_the_worker_retries_a_busy_answer_and_stops_when_the_engine_is_gone():
     assert len(calls) == 1
 
 
-def test_the_worker_survives_a_locked_store_reports_it_and_then_finishes_the_batch(
-    tiny_qwen3, tmp_path, monkeypatch
-):
+def test_the_worker_survives_a_locked_store_reports_it_and_then_finishes_the_batch(tiny_qwen3, tmp_path, monkeypatch):
     import sqlite3
 
     import httpx

@@ -28,7 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-
 # -- device and dtype ------------------------------------------------------------------------------
 
 

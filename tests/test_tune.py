@@ -161,7 +161,7 @@ def test_tiny_sweep_end_to_end_writes_all_four_files(tiny_qwen3, tmp_path, capsy
     assert "pick:" in capsys.readouterr().out
 
 
-FAULTS = '''
+FAULTS = """
 import os, signal
 import torch
 from qwenbatch.engine import llm_engine, model_runner
@@ -179,7 +179,7 @@ def execute(self, sched, rows):
     return _execute(self, sched, rows)
 
 llm_engine.LLMEngine.__init__, model_runner.ModelRunner.execute = init, execute
-'''
+"""
 
 
 def test_a_setting_that_runs_out_of_memory_is_recorded_and_the_sweep_goes_on(tiny_qwen3, tmp_path, monkeypatch):

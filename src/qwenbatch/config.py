@@ -16,6 +16,7 @@ logger = logging.getLogger(__name__)
 TASKS = ("auto", "generate", "rerank")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+QUANTIZATIONS = ("none", "int8")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -78,6 +79,8 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no decode graphs (vLLM's flag)
     # auto: Triton kernels on CUDA, PyTorch on CPU; triton on CPU runs under TRITON_INTERPRET=1 (tests).
     attention_backend: str = "auto"
+    # int8: CPU linears with int8 weights and activations, one scale per 32 values (vLLM's flag name).
+    quantization: str = "none"
     max_model_len: int | None = None  # default: the model's context length, capped by the KV pool
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -102,6 +105,10 @@ class EngineConfig:
             raise ValueError("device cuda: no CUDA device is visible to torch (torch.cuda.is_available() is False)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
+        if self.quantization == "int8" and self.resolved_device.type != "cpu":
+            raise ValueError("quantization int8 runs on the CPU only (its kernel is CPU code)")
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {util!r}")

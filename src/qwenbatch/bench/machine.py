@@ -1,4 +1,4 @@
-"""What this machine can do, measured in the same run as a benchmark: GEMM rate, copy bandwidth, RSS."""
+"""What this machine can do, measured in the same run as a benchmark: GEMM rate, copy and read bandwidth, RSS."""
 
 from __future__ import annotations
 
@@ -34,6 +34,18 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
         dst.copy_(src)
         times.append(time.perf_counter() - start)
     return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Median GB/s of summing a large tensor: bytes read only, as a decode step reads its weights."""
+    src = torch.ones(nbytes // 4)
+    src.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        src.sum()
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / 1e9
 
 
 class PeakRSS:

@@ -58,6 +58,12 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
         default=None,
         help="auto: Triton kernels on CUDA, PyTorch on CPU",
     )
+    g.add_argument(
+        "--quantization",
+        choices=["none", "int8"],
+        default=None,
+        help="CPU: int8 linears (int8 weights, activations quantized per 32 values); default none",
+    )
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     if not sweep:
         g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step")

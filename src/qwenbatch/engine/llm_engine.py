@@ -64,6 +64,7 @@ class LLMEngine:
             device,
             config.resolved_attention_backend,
             score_ids,
+            config.quantization,
         )
         per_token = kv_cache_bytes_per_token(loaded.config, self.dtype)
         kv_bytes = self._kv_cache_bytes()

@@ -72,15 +72,21 @@ class ModelRunner:
         device: torch.device,
         attention_backend: str = "torch",
         score_token_ids: tuple[int, int] | None = None,
+        quantization: str = "none",
     ) -> None:
         # The reranker's two LM-head rows ("no", "yes"), in float32, taken before packing changes the layout.
         self.score_weight = None
         if score_token_ids is not None:
             self.score_weight = model.lm_head.weight.detach()[list(score_token_ids)].float().clone()
         self.linear_kernels = "torch"  # recorded in the log and in bench JSON
-        if onednn_available(dtype, device):
-            pack_linears(model)
-            self.linear_kernels = f"onednn-prepacked-{str(dtype).removeprefix('torch.')}"
+        if quantization == "int8":
+            from qwenbatch.layers.int8_linear import kernels, quantize_linears
+
+            quantize_linears(model)
+            self.linear_kernels = f"int8-{kernels().isa()}"
+        if onednn_available(dtype, device) and pack_linears(model):  # what int8 left dense, or every linear
+            packed = f"onednn-prepacked-{str(dtype).removeprefix('torch.')}"
+            self.linear_kernels = packed if quantization == "none" else f"{self.linear_kernels}+{packed}"
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
@@ -115,6 +121,16 @@ class ModelRunner:
             num_blocks * self.block_size,
             num_blocks * self.block_size * kv_cache_bytes_per_token(self.cfg, self.dtype) / 2**30,
         )
+
+    @torch.inference_mode()
+    def sequence_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Float32 logits [len(token_ids), vocab] at every position of one sequence, run as one prefill in
+        scratch KV blocks (the pool and its cached prefixes are not touched): for accuracy checks."""
+        blocks = -(-len(token_ids) // self.block_size)
+        layout = StepLayout(self.block_size)
+        layout.add_prefill(list(token_ids), list(range(blocks)), 0)
+        hidden = self._forward(layout, self._new_kv_caches(blocks))
+        return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
     def profile_step_peak(self, num_tokens: int, num_sample_rows: int) -> int:

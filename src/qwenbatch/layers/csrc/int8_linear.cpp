@@ -1,0 +1,240 @@
+// Int8 linear for CPU: int8 weights, activations quantized on the fly, integer dot products.
+//
+// y[M, N] = x[M, K] . W[N, K]^T + b, where W = q * s: int8 q with one scale per 32 consecutive weights of a
+// row (GGUF's Q8_0 / Q5_0 granularity), and x is quantized the same way for each call (one scale per 32
+// values of a row, as llama.cpp does for its Q8_0 dot products). Each group's dot product is exact in
+// int32; the float epilogue multiplies it by the two scales.
+//
+// Packed layout (made by layers/int8_linear.py): rows in tiles of 16; within a tile, for each 4 consecutive
+// k, the 16 rows' 4 bytes side by side (64 bytes), stored as u = q + 128. One AVX-512 VNNI instruction then
+// multiplies-adds 64 weights into 16 row sums: vpdpbusd(acc, u, x broadcast). Since u = q + 128,
+// sum(u * x) = sum(q * x) + 128 * sum(x), and the second term, which depends on x only, is subtracted.
+// Scales are float16, [tile][group][16 rows].
+//
+// With AVX2 only, the same products go through vpmaddubsw; elsewhere they run as plain loops.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;        // weights per scale
+constexpr int64_t kTileRows = 16;     // weight rows per tile
+constexpr int64_t kTilesPerTask = 4;  // tiles one parallel task owns
+
+struct QuantizedX {
+  std::vector<int8_t> q;      // [M, K]
+  std::vector<float> scale;   // [M, G]
+  std::vector<int32_t> bias;  // [M, G]: 128 * sum of q over the group
+};
+
+QuantizedX quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t G = K / kGroup;
+  QuantizedX out{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<int32_t>(M * G)};
+  at::parallel_for(0, M * G, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t mg = begin; mg < end; ++mg) {
+      const float* xs = x + mg * kGroup;  // rows are contiguous, so (m, g) is group m * G + g of x
+      float amax = 0.f;
+      for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(xs[i]));
+      const float scale = amax / 127.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      int8_t* q = out.q.data() + mg * kGroup;
+      for (int64_t i = 0; i < kGroup; ++i) {
+        q[i] = static_cast<int8_t>(std::nearbyint(xs[i] * inv));
+        sum += q[i];
+      }
+      out.scale[mg] = scale;
+      out.bias[mg] = 128 * sum;
+    }
+  });
+  return out;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+constexpr const char* kIsa = "avx512-vnni";
+
+// MB rows of x against T tiles (16 * T weight rows), all groups; adds the result into y (ldy = N).
+template <int MB, int T>
+inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8_t* w, const c10::Half* s,
+                        float* y, int64_t ldy) {
+  const int64_t G = K / kGroup;
+  const int64_t tile_bytes = kTileRows * K;
+  __m512 acc[MB][T];
+  for (int m = 0; m < MB; ++m)
+    for (int t = 0; t < T; ++t) acc[m][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i dot[MB][T];
+    for (int m = 0; m < MB; ++m)
+      for (int t = 0; t < T; ++t) dot[m][t] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < kGroup / 4; ++j) {
+      const int64_t k = g * kGroup + j * 4;
+      __m512i wv[T];
+      for (int t = 0; t < T; ++t)
+        wv[t] = _mm512_loadu_si512(reinterpret_cast<const void*>(w + t * tile_bytes + k * kTileRows));
+      for (int m = 0; m < MB; ++m) {
+        int32_t four;
+        std::memcpy(&four, xq.q.data() + (m0 + m) * K + k, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        for (int t = 0; t < T; ++t) dot[m][t] = _mm512_dpbusd_epi32(dot[m][t], wv[t], xb);
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      const __m512 ws = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + (t * G + g) * kTileRows)));
+      for (int m = 0; m < MB; ++m) {
+        const int64_t mg = (m0 + m) * G + g;
+        const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[m][t], _mm512_set1_epi32(xq.bias[mg])));
+        acc[m][t] = _mm512_fmadd_ps(d, _mm512_mul_ps(ws, _mm512_set1_ps(xq.scale[mg])), acc[m][t]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (m0 + m) * ldy + t * kTileRows, acc[m][t]);
+}
+
+template <int T>
+inline void rows_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
+                        float* y, int64_t ldy) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile_kernel<4, T>(xq, m, K, w, s, y, ldy);
+  for (; m + 2 <= M; m += 2) tile_kernel<2, T>(xq, m, K, w, s, y, ldy);
+  for (; m < M; ++m) tile_kernel<1, T>(xq, m, K, w, s, y, ldy);
+}
+
+// One task: tiles [t0, t1).
+inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
+                        float* y, int64_t N, int64_t t0, int64_t t1) {
+  const int64_t G = K / kGroup;
+  int64_t t = t0;
+  for (; t + 2 <= t1; t += 2)
+    rows_kernel<2>(xq, M, K, w + t * kTileRows * K, s + t * G * kTileRows, y + t * kTileRows, N);
+  for (; t < t1; ++t)
+    rows_kernel<1>(xq, M, K, w + t * kTileRows * K, s + t * G * kTileRows, y + t * kTileRows, N);
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr const char* kIsa = "avx2";
+
+// Without VNNI, llama.cpp's way: vpmaddubsw multiplies unsigned by signed bytes, so feed it |x| and the
+// weight with x's sign; the pair sums (at most 2 * 127 * 127) fit int16. The weight is q = u ^ 0x80.
+template <int MB>
+inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8_t* w, const c10::Half* s,
+                        float* y, int64_t ldy) {
+  const int64_t G = K / kGroup;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MB][2];
+  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i dot[MB][2];
+    for (int m = 0; m < MB; ++m) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
+    for (int64_t j = 0; j < kGroup / 4; ++j) {
+      const int64_t k = g * kGroup + j * 4;
+      const uint8_t* wk = w + k * kTileRows;
+      const __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk)), flip);
+      const __m256i q1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 32)), flip);
+      for (int m = 0; m < MB; ++m) {
+        int32_t four;
+        std::memcpy(&four, xq.q.data() + (m0 + m) * K + k, 4);
+        const __m256i xb = _mm256_set1_epi32(four);
+        const __m256i ax = _mm256_sign_epi8(xb, xb);
+        const __m256i p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(q0, xb));
+        const __m256i p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(q1, xb));
+        dot[m][0] = _mm256_add_epi32(dot[m][0], _mm256_madd_epi16(p0, ones));
+        dot[m][1] = _mm256_add_epi32(dot[m][1], _mm256_madd_epi16(p1, ones));
+      }
+    }
+    const c10::Half* sg = s + g * kTileRows;
+    const __m256 ws0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg)));
+    const __m256 ws1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 8)));
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xs = _mm256_set1_ps(xq.scale[(m0 + m) * G + g]);
+      acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][0]), _mm256_mul_ps(ws0, xs), acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][1]), _mm256_mul_ps(ws1, xs), acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    _mm256_storeu_ps(y + (m0 + m) * ldy, acc[m][0]);
+    _mm256_storeu_ps(y + (m0 + m) * ldy + 8, acc[m][1]);
+  }
+}
+
+inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
+                        float* y, int64_t N, int64_t t0, int64_t t1) {
+  const int64_t G = K / kGroup;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* wt = w + t * kTileRows * K;
+    const c10::Half* st = s + t * G * kTileRows;
+    float* yt = y + t * kTileRows;
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) tile_kernel<2>(xq, m, K, wt, st, yt, N);
+    for (; m < M; ++m) tile_kernel<1>(xq, m, K, wt, st, yt, N);
+  }
+}
+#else
+constexpr const char* kIsa = "portable";
+
+inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
+                        float* y, int64_t N, int64_t t0, int64_t t1) {
+  const int64_t G = K / kGroup;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* wt = w + t * kTileRows * K;
+    const c10::Half* st = s + t * G * kTileRows;
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* xm = xq.q.data() + m * K;
+      float acc[kTileRows] = {};
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t dot[kTileRows] = {};
+        for (int64_t k = g * kGroup; k < (g + 1) * kGroup; k += 4)
+          for (int64_t r = 0; r < kTileRows; ++r)
+            for (int64_t i = 0; i < 4; ++i)
+              dot[r] += static_cast<int32_t>(wt[k * kTileRows + r * 4 + i]) * xm[k + i];
+        const float xs = xq.scale[m * G + g];
+        const int32_t bias = xq.bias[m * G + g];
+        for (int64_t r = 0; r < kTileRows; ++r)
+          acc[r] += static_cast<float>(dot[r] - bias) * (static_cast<float>(st[g * kTileRows + r]) * xs);
+      }
+      for (int64_t r = 0; r < kTileRows; ++r) y[m * N + t * kTileRows + r] = acc[r];
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+// x: [M, K] float tensor of any float dtype; w: packed uint8 [N * K]; scales: float16 [N * K / 32];
+// bias: [N] or None. Returns [M, N] in x's dtype.
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                          const c10::optional<torch::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(x.dim() == 2, "int8_linear: x must be 2-D");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kGroup == 0 && N % kTileRows == 0, "int8_linear: K must divide by 32 and N by 16");
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == N * K,
+              "int8_linear: w must be contiguous uint8 with N * K elements");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.numel() == N * K / kGroup,
+              "int8_linear: scales must be contiguous float16 with N * K / 32 elements");
+  const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
+  const QuantizedX xq = quantize_rows(xf.data_ptr<float>(), M, K);
+  torch::Tensor y = torch::empty({M, N}, xf.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const c10::Half* sp = scales.data_ptr<c10::Half>();
+  float* yp = y.data_ptr<float>();
+  const int64_t tiles = N / kTileRows;
+  const int64_t tasks = (tiles + kTilesPerTask - 1) / kTilesPerTask;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    task_kernel(xq, M, K, wp, sp, yp, N, begin * kTilesPerTask, std::min(tiles, end * kTilesPerTask));
+  });
+  if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
+  return y.to(x.scalar_type());
+}
+
+std::string isa() { return kIsa; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_linear", &int8_linear, "y = x . W^T + bias, W packed int8 with a scale per 32 weights");
+  m.def("isa", &isa, "the instruction set the kernel was built for");
+}

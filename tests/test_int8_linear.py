@@ -1,0 +1,101 @@
+"""--quantization int8: the kernel's arithmetic, the weight format, and the engine running on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from qwenbatch import LLM, SamplingParams
+from qwenbatch.config import EngineConfig
+from qwenbatch.layers.int8_linear import GROUP_SIZE, Int8Linear, dequantize, kernels, pack, quantize_weight
+
+
+def reference(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The kernel's contract: x quantized per 32 values in float32 (scale max|x| / 127, x * (127 / max|x|)
+    rounded half to even), times the int8 weight group by group, summed here in float64."""
+    m, k = x.shape
+    groups = x.float().reshape(m, k // GROUP_SIZE, GROUP_SIZE)
+    amax = groups.abs().amax(-1, keepdim=True)
+    x_q = torch.where(amax > 0, torch.round(groups * (127 / amax.clamp_min(1e-30))), 0).double()
+    x_scale = (amax / 127).squeeze(-1).double()
+    w = values.double().reshape(values.shape[0], k // GROUP_SIZE, GROUP_SIZE)
+    dots = torch.einsum("mgi,ngi->mng", x_q, w)  # exact integers
+    return (dots * x_scale[:, None, :] * scales.double()[None, :, :]).sum(-1)
+
+
+@pytest.mark.parametrize("target", ["native", "avx2", "portable"])
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (80, 96), (48, 896), (160, 64)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 9])
+def test_kernel_computes_the_quantized_product(target, n, k, m):
+    torch.manual_seed(n * 1000 + k + m)
+    weight = torch.randn(n, k) * torch.rand(n, 1)  # rows of different scales
+    values, scales = quantize_weight(weight)
+    x = torch.randn(m, k) * 3
+    x[0, :GROUP_SIZE] = 0  # an all-zero group has scale 0
+    packed, packed_scales = pack(values, scales)
+    y = kernels(target).int8_linear(x, packed, packed_scales, None, n)
+    want = reference(x, values, scales)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
+
+
+def test_native_kernel_is_what_the_cpu_supports():
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split()
+    native = "avx512-vnni" if {"avx512f", "avx512_vnni"} <= set(flags) else "avx2" if "avx2" in flags else "portable"
+    assert kernels("native").isa() == native
+    assert kernels("avx2").isa() == "avx2"
+    assert kernels("portable").isa() == "portable"
+
+
+def test_quantize_weight_holds_a_q8_0_tensor_exactly():
+    # Q8_0: int8 values in [-127, 127] times one float16 scale per 32, each block reaching 127 in magnitude.
+    torch.manual_seed(0)
+    values = torch.randint(-127, 128, (32, 128), dtype=torch.int8)
+    values[:, ::GROUP_SIZE] = 127
+    scales = (torch.rand(32, 128 // GROUP_SIZE) * 0.01 + 1e-4).half()
+    got_values, got_scales = quantize_weight(dequantize(values, scales))
+    assert torch.equal(got_values, values)
+    assert torch.equal(got_scales, scales)
+
+
+def test_quantize_weight_error_is_half_a_step_at_most():
+    torch.manual_seed(1)
+    weight = torch.randn(64, 256)
+    values, scales = quantize_weight(weight)
+    step = scales.float().repeat_interleave(GROUP_SIZE, dim=1)
+    assert bool(((dequantize(values, scales) - weight).abs() <= step / 2 + 1e-6).all())
+    assert int(values.abs().max()) <= 127
+
+
+def test_int8_linear_pads_rows_and_adds_the_bias():
+    torch.manual_seed(2)
+    dense = nn.Linear(64, 50)  # 50 rows: padded to 64 inside, sliced back
+    layer = Int8Linear(dense)
+    x = torch.randn(2, 3, 64)
+    y = layer(x)
+    assert y.shape == (2, 3, 50)
+    want = dense(x).detach()
+    torch.testing.assert_close(y, want, rtol=0, atol=0.05 * float(want.abs().max()))
+
+
+def test_engine_runs_int8_and_stays_close_to_the_float_model(tiny_qwen2):
+    common = dict(model=str(tiny_qwen2), dtype="float32", kv_cache_memory=8 * 2**20)
+    dense, quant = LLM(**common), LLM(**common, quantization="int8")
+    assert quant.engine.runner.linear_kernels.startswith("int8-")
+    assert not any(isinstance(m, nn.Linear) for m in quant.engine.runner.model.modules())
+    sequence = [5, 9, 14, 3, 7, 21, 11, 4, 8, 30, 6, 17]
+    want = dense.engine.runner.sequence_logits(sequence)
+    got = quant.engine.runner.sequence_logits(sequence)
+    spread = float(want.max() - want.min())
+    assert float((got - want).abs().max()) < 0.05 * spread
+    out = quant.generate([sequence], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 12
+
+
+def test_bad_quantization_settings_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="quantization must be none or int8"):
+        EngineConfig(quantization="int4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="CPU only"):
+        EngineConfig(quantization="int8", device="cuda")
