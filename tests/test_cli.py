@@ -166,3 +166,13 @@ def test_generate_help_lists_the_flags(capsys):
         "--seed",
     ):
         assert flag in out
+
+
+def test_quantization_int8_generates_and_a_bad_value_is_a_usage_error(capsys, engine_flags):
+    code, out, err = run(capsys, ["generate", PROMPTS[0], *engine_flags, "--quantization", "int8"])
+    assert code == 0, err
+    assert out.strip()
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", PROMPTS[0], *engine_flags, "--quantization", "int4"])
+    assert exc.value.code == 2
+    assert "--quantization" in capsys.readouterr().err

@@ -8,7 +8,8 @@ from torch import nn
 
 from qwenbatch import LLM, SamplingParams
 from qwenbatch.config import EngineConfig
-from qwenbatch.layers.int8_linear import GROUP_SIZE, Int8Linear, dequantize, kernels, pack, quantize_weight
+from qwenbatch.layers.cpu_kernels import kernels
+from qwenbatch.layers.int8_linear import GROUP_SIZE, Int8Linear, dequantize, pack, quantize_weight
 
 
 def reference(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -37,6 +38,19 @@ def test_kernel_computes_the_quantized_product(target, n, k, m):
     y = kernels(target).int8_linear(x, packed, packed_scales, None, n)
     want = reference(x, values, scales)
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("target", ["native", "avx2", "portable"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_reads_and_writes_half_precision_as_float32_rounded(target, dtype):
+    torch.manual_seed(3)
+    values, scales = quantize_weight(torch.randn(48, 96))
+    packed, packed_scales = pack(values, scales)
+    x, bias = torch.randn(3, 96).to(dtype), torch.randn(48)
+    y = kernels(target).int8_linear(x, packed, packed_scales, bias, 48)
+    assert y.dtype == dtype
+    want = kernels(target).int8_linear(x.float(), packed, packed_scales, bias, 48).to(dtype)
+    assert torch.equal(y, want)
 
 
 def test_native_kernel_is_what_the_cpu_supports():

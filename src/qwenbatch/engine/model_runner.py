@@ -13,7 +13,12 @@ import torch
 from torch import nn
 
 from qwenbatch.engine.scheduler import SchedulerOutput
-from qwenbatch.layers.attention import AttentionMetadata, StepLayout, TorchAttentionMetadata
+from qwenbatch.layers.attention import (
+    AttentionMetadata,
+    KernelAttentionMetadata,
+    StepLayout,
+    TorchAttentionMetadata,
+)
 from qwenbatch.layers.linear import onednn_available, pack_linears
 from qwenbatch.layers.sampler import SamplingRow, sample
 from qwenbatch.models.config import ModelConfig
@@ -79,10 +84,15 @@ class ModelRunner:
         if score_token_ids is not None:
             self.score_weight = model.lm_head.weight.detach()[list(score_token_ids)].float().clone()
         self.linear_kernels = "torch"  # recorded in the log and in bench JSON
-        if quantization == "int8":
-            from qwenbatch.layers.int8_linear import kernels, quantize_linears
+        # int8 runs on our CPU kernels (layers/cpu_kernels.py), and so, once they are built, do the norms,
+        # SiLU * up and decode attention (a batch-1 step is otherwise half PyTorch per-op overhead).
+        self.cpu_kernels = quantization == "int8"
+        if self.cpu_kernels:
+            from qwenbatch.layers.cpu_kernels import kernels, use_cpu_kernels
+            from qwenbatch.layers.int8_linear import quantize_linears
 
             quantize_linears(model)
+            use_cpu_kernels(model)
             self.linear_kernels = f"int8-{kernels().isa()}"
         if onednn_available(dtype, device) and pack_linears(model):  # what int8 left dense, or every linear
             packed = f"onednn-prepacked-{str(dtype).removeprefix('torch.')}"
@@ -98,9 +108,17 @@ class ModelRunner:
             from qwenbatch.layers.triton_backend import TritonAttentionMetadata
 
             self._metadata_class: type[AttentionMetadata] = TritonAttentionMetadata
+        elif self.cpu_kernels:
+            self._metadata_class = KernelAttentionMetadata
         else:
             self._metadata_class = TorchAttentionMetadata
-        logger.info("attention backend: %s on %s; linears: %s", attention_backend, device, self.linear_kernels)
+        logger.info(
+            "attention backend: %s%s on %s; linears: %s",
+            attention_backend,
+            " (decode in the CPU kernel)" if self._metadata_class is KernelAttentionMetadata else "",
+            device,
+            self.linear_kernels,
+        )
 
     def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         shape = (2, num_blocks, self.block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)

@@ -7,6 +7,7 @@ sequence attends to; a backend turns it once per step into its own ``AttentionMe
 tensors shared by every layer), whose ``attend`` the model calls in each layer:
 
 - ``TorchAttentionMetadata`` (here): PyTorch's scaled_dot_product_attention, the CPU path;
+- ``KernelAttentionMetadata`` (here): the same prefill, decodes in our CPU kernel reading the paged cache;
 - ``TritonAttentionMetadata`` (layers/triton_backend.py): Triton kernels reading K/V through the
   block tables in place, the CUDA path (and, under TRITON_INTERPRET=1, a CPU test of it).
 """
@@ -108,7 +109,7 @@ class TorchAttentionMetadata(AttentionMetadata):
     decode_mask: torch.Tensor | None  # [D, 1, 1, L_max] True where a slot is real context
 
     @classmethod
-    def build(cls, layout: StepLayout, device: torch.device) -> TorchAttentionMetadata:
+    def build(cls, layout: StepLayout, device: torch.device, gather_decodes: bool = True) -> TorchAttentionMetadata:
         bs = layout.block_size
         prefills = [
             _TorchPrefill(
@@ -122,7 +123,7 @@ class TorchAttentionMetadata(AttentionMetadata):
             for p in layout.prefills
         ]
         kv_slots = mask = None
-        if layout.num_decodes:
+        if layout.num_decodes and gather_decodes:
             max_len = max(layout.decode_lens)
             slots = np.empty((layout.num_decodes, max_len), dtype=np.int64)
             valid = np.zeros((layout.num_decodes, 1, 1, max_len), dtype=bool)
@@ -170,15 +171,51 @@ class TorchAttentionMetadata(AttentionMetadata):
             out[rows] = o[0].transpose(0, 1)
 
         if self.num_decodes:
-            d = self.num_decodes
-            # The query heads of one KV head attend together as one KV head's queries (GQA folded):
-            # [D, kv_heads, group, head_dim] against [D, kv_heads, L, head_dim], no repeated K/V.
-            qd = q[:d].view(d, kv_heads, heads // kv_heads, head_dim)
-            kd = k_flat[self.decode_kv_slots].transpose(1, 2)  # [D, kv_heads, L, head_dim]
-            vd = v_flat[self.decode_kv_slots].transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=scale)
-            out[:d] = o.reshape(d, heads, head_dim)
+            out[: self.num_decodes] = self._decode(q[: self.num_decodes], k_flat, v_flat, kv_cache, scale)
         return out.view(num_tokens, heads * head_dim)
+
+    def _decode(
+        self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """The decoding rows' attention, [D, heads, head_dim]."""
+        d, heads, head_dim = q.shape
+        kv_heads = k_flat.shape[1]
+        # The query heads of one KV head attend together as one KV head's queries (GQA folded):
+        # [D, kv_heads, group, head_dim] against [D, kv_heads, L, head_dim], no repeated K/V.
+        qd = q.reshape(d, kv_heads, heads // kv_heads, head_dim)
+        kd = k_flat[self.decode_kv_slots].transpose(1, 2)  # [D, kv_heads, L, head_dim]
+        vd = v_flat[self.decode_kv_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=scale)
+        return o.reshape(d, heads, head_dim)
+
+
+@dataclass
+class KernelAttentionMetadata(TorchAttentionMetadata):
+    """As TorchAttentionMetadata, but decoding rows read K/V through their block tables in place, in our
+    CPU kernel (layers/cpu_kernels.py): no per-step gather of each context into a padded tensor."""
+
+    decode_block_tables: torch.Tensor | None = None  # int32 [D, max_blocks], padded with block 0
+    decode_lens: torch.Tensor | None = None  # int32 [D]
+
+    @classmethod
+    def build(cls, layout: StepLayout, device: torch.device) -> KernelAttentionMetadata:
+        base = TorchAttentionMetadata.build(layout, device, gather_decodes=False)
+        tables = lens = None
+        if layout.num_decodes:
+            width = max(len(t) for t in layout.decode_tables)
+            padded = np.zeros((layout.num_decodes, width), dtype=np.int32)
+            for i, table in enumerate(layout.decode_tables):
+                padded[i, : len(table)] = table
+            tables = torch.from_numpy(padded)
+            lens = torch.tensor(layout.decode_lens, dtype=torch.int32)
+        return cls(base.slot_mapping, base.prefills, base.num_decodes, None, None, tables, lens)
+
+    def _decode(
+        self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        from qwenbatch.layers.cpu_kernels import kernels
+
+        return kernels().paged_decode_attention(q, kv_cache, self.decode_block_tables, self.decode_lens, scale)
 
 
 def _chunk_causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor:

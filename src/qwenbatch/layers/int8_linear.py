@@ -4,8 +4,7 @@ activations quantized per 32 values on the fly, integer dot products (AVX-512 VN
 A decode step at batch 1 reads every weight once, so it is bound by memory: int8 halves bfloat16's
 bytes. With VNNI one instruction multiplies-adds 64 int8 pairs, so the same kernel also outruns
 oneDNN's bfloat16 at large M (BENCHMARKS.md: 2.4x at one row, 1.3x at 256 rows on the AVX-512 BF16
-kind). The kernel lives in ``csrc/int8_linear.cpp``; it is compiled once per CPU kind with
-``-march=native`` and cached by torch's extension builder.
+kind). The kernel is ``csrc/int8_linear.cpp``, built by ``layers/cpu_kernels.py``.
 
 Quantization is symmetric, per group of 32 along the input dimension (GGUF's Q8_0 block): a Q8_0
 tensor is held exactly; others round to the nearest of 255 levels of their group.
@@ -13,59 +12,18 @@ tensor is held exactly; others round to the nearest of 255 levels of their group
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qwenbatch.layers.cpu_kernels import kernels
+
 logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32  # weights per scale
 TILE_ROWS = 16  # the kernel's packed layout keeps output rows in tiles of this many
-_SOURCE = Path(__file__).with_name("csrc") / "int8_linear.cpp"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-# -march per build target; "native" is what the engine uses, the others let tests check every code path here.
-_TARGETS = {"native": "-march=native", "avx2": "-march=x86-64-v3", "portable": "-march=x86-64-v2"}
-
-
-@functools.cache
-def kernels(target: str = "native"):
-    """The compiled kernel module (built on first use, ~35 s, then loaded from torch's extension cache).
-
-    ``native`` builds for this CPU (-march=native: the VNNI kernel where the CPU has AVX-512 VNNI, else the
-    AVX2 one, else plain loops); ``avx2`` and ``portable`` force the others, for tests.
-    """
-    from torch.utils.cpp_extension import load
-
-    flags = ["-O3", "-fopenmp", _TARGETS[target]]
-    # The name keys the cache: a binary built for one CPU kind must not be loaded on another.
-    key = hashlib.sha256((_cpu_flags() if target == "native" else target).encode()).hexdigest()[:12]
-    started = time.perf_counter()
-    try:
-        module = load(
-            name=f"qwenbatch_int8_linear_{key}",
-            sources=[str(_SOURCE)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch has loaded: one OpenMP pool
-        )
-    except (RuntimeError, OSError) as e:
-        raise RuntimeError(f"--quantization int8 needs a C++ compiler to build its kernel: {e}") from e
-    logger.info("int8 kernel (%s) ready in %.1f s", module.isa(), time.perf_counter() - started)
-    return module
 
 
 @torch.no_grad()

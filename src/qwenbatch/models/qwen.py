@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from qwenbatch.layers.activation import SiluAndMul
 from qwenbatch.layers.attention import AttentionMetadata
 from qwenbatch.layers.norm import RMSNorm
 from qwenbatch.layers.rotary import RotaryEmbedding, apply_rotary
@@ -48,10 +48,10 @@ class QwenMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class QwenDecoderLayer(nn.Module):

@@ -32,12 +32,36 @@ struct QuantizedX {
   std::vector<int32_t> bias;  // [M, G]: 128 * sum of q over the group
 };
 
-QuantizedX quantize_rows(const float* x, int64_t M, int64_t K) {
+// Where results go: row m, columns [n, n + 16), plus the bias, converted to the output's dtype.
+struct Output {
+  void* data;
+  torch::ScalarType type;  // float32, bfloat16 or float16
+  int64_t ld;
+  const float* bias;  // [N] or nullptr
+
+  template <typename T>
+  inline void store_as(int64_t m, int64_t n, const float* v) const {
+    T* p = static_cast<T*>(data) + m * ld + n;
+    for (int64_t r = 0; r < kTileRows; ++r) p[r] = static_cast<T>(v[r] + (bias ? bias[n + r] : 0.f));
+  }
+
+  inline void store16(int64_t m, int64_t n, const float* v) const {
+    switch (type) {
+      case torch::kBFloat16: store_as<c10::BFloat16>(m, n, v); break;
+      case torch::kHalf: store_as<c10::Half>(m, n, v); break;
+      default: store_as<float>(m, n, v);
+    }
+  }
+};
+
+template <typename T>
+QuantizedX quantize_rows(const T* x, int64_t M, int64_t K) {
   const int64_t G = K / kGroup;
   QuantizedX out{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<int32_t>(M * G)};
   at::parallel_for(0, M * G, 256, [&](int64_t begin, int64_t end) {
     for (int64_t mg = begin; mg < end; ++mg) {
-      const float* xs = x + mg * kGroup;  // rows are contiguous, so (m, g) is group m * G + g of x
+      float xs[kGroup];  // rows are contiguous, so (m, g) is group m * G + g of x
+      for (int64_t i = 0; i < kGroup; ++i) xs[i] = static_cast<float>(x[mg * kGroup + i]);
       float amax = 0.f;
       for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(xs[i]));
       const float scale = amax / 127.f;
@@ -58,10 +82,10 @@ QuantizedX quantize_rows(const float* x, int64_t M, int64_t K) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 constexpr const char* kIsa = "avx512-vnni";
 
-// MB rows of x against T tiles (16 * T weight rows), all groups; adds the result into y (ldy = N).
+// MB rows of x against T tiles (16 * T weight rows, the first at column n0), all groups, into out.
 template <int MB, int T>
 inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8_t* w, const c10::Half* s,
-                        float* y, int64_t ldy) {
+                        const Output& out, int64_t n0) {
   const int64_t G = K / kGroup;
   const int64_t tile_bytes = kTileRows * K;
   __m512 acc[MB][T];
@@ -93,28 +117,32 @@ inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8
       }
     }
   }
+  alignas(64) float v[kTileRows];
   for (int m = 0; m < MB; ++m)
-    for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (m0 + m) * ldy + t * kTileRows, acc[m][t]);
+    for (int t = 0; t < T; ++t) {
+      _mm512_store_ps(v, acc[m][t]);
+      out.store16(m0 + m, n0 + t * kTileRows, v);
+    }
 }
 
 template <int T>
 inline void rows_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
-                        float* y, int64_t ldy) {
+                        const Output& out, int64_t n0) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile_kernel<4, T>(xq, m, K, w, s, y, ldy);
-  for (; m + 2 <= M; m += 2) tile_kernel<2, T>(xq, m, K, w, s, y, ldy);
-  for (; m < M; ++m) tile_kernel<1, T>(xq, m, K, w, s, y, ldy);
+  for (; m + 4 <= M; m += 4) tile_kernel<4, T>(xq, m, K, w, s, out, n0);
+  for (; m + 2 <= M; m += 2) tile_kernel<2, T>(xq, m, K, w, s, out, n0);
+  for (; m < M; ++m) tile_kernel<1, T>(xq, m, K, w, s, out, n0);
 }
 
 // One task: tiles [t0, t1).
 inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
-                        float* y, int64_t N, int64_t t0, int64_t t1) {
+                        const Output& out, int64_t t0, int64_t t1) {
   const int64_t G = K / kGroup;
   int64_t t = t0;
   for (; t + 2 <= t1; t += 2)
-    rows_kernel<2>(xq, M, K, w + t * kTileRows * K, s + t * G * kTileRows, y + t * kTileRows, N);
+    rows_kernel<2>(xq, M, K, w + t * kTileRows * K, s + t * G * kTileRows, out, t * kTileRows);
   for (; t < t1; ++t)
-    rows_kernel<1>(xq, M, K, w + t * kTileRows * K, s + t * G * kTileRows, y + t * kTileRows, N);
+    rows_kernel<1>(xq, M, K, w + t * kTileRows * K, s + t * G * kTileRows, out, t * kTileRows);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr const char* kIsa = "avx2";
@@ -123,7 +151,7 @@ constexpr const char* kIsa = "avx2";
 // weight with x's sign; the pair sums (at most 2 * 127 * 127) fit int16. The weight is q = u ^ 0x80.
 template <int MB>
 inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8_t* w, const c10::Half* s,
-                        float* y, int64_t ldy) {
+                        const Output& out, int64_t n0) {
   const int64_t G = K / kGroup;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
@@ -157,29 +185,30 @@ inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8
       acc[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][1]), _mm256_mul_ps(ws1, xs), acc[m][1]);
     }
   }
+  alignas(32) float v[kTileRows];
   for (int m = 0; m < MB; ++m) {
-    _mm256_storeu_ps(y + (m0 + m) * ldy, acc[m][0]);
-    _mm256_storeu_ps(y + (m0 + m) * ldy + 8, acc[m][1]);
+    _mm256_store_ps(v, acc[m][0]);
+    _mm256_store_ps(v + 8, acc[m][1]);
+    out.store16(m0 + m, n0, v);
   }
 }
 
 inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
-                        float* y, int64_t N, int64_t t0, int64_t t1) {
+                        const Output& out, int64_t t0, int64_t t1) {
   const int64_t G = K / kGroup;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* wt = w + t * kTileRows * K;
     const c10::Half* st = s + t * G * kTileRows;
-    float* yt = y + t * kTileRows;
     int64_t m = 0;
-    for (; m + 2 <= M; m += 2) tile_kernel<2>(xq, m, K, wt, st, yt, N);
-    for (; m < M; ++m) tile_kernel<1>(xq, m, K, wt, st, yt, N);
+    for (; m + 2 <= M; m += 2) tile_kernel<2>(xq, m, K, wt, st, out, t * kTileRows);
+    for (; m < M; ++m) tile_kernel<1>(xq, m, K, wt, st, out, t * kTileRows);
   }
 }
 #else
 constexpr const char* kIsa = "portable";
 
 inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
-                        float* y, int64_t N, int64_t t0, int64_t t1) {
+                        const Output& out, int64_t t0, int64_t t1) {
   const int64_t G = K / kGroup;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* wt = w + t * kTileRows * K;
@@ -198,7 +227,7 @@ inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_
         for (int64_t r = 0; r < kTileRows; ++r)
           acc[r] += static_cast<float>(dot[r] - bias) * (static_cast<float>(st[g * kTileRows + r]) * xs);
       }
-      for (int64_t r = 0; r < kTileRows; ++r) y[m * N + t * kTileRows + r] = acc[r];
+      out.store16(m, t * kTileRows, acc);
     }
   }
 }
@@ -206,7 +235,7 @@ inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_
 
 }  // namespace
 
-// x: [M, K] float tensor of any float dtype; w: packed uint8 [N * K]; scales: float16 [N * K / 32];
+// x: [M, K] float32, bfloat16 or float16; w: packed uint8 [N * K]; scales: float16 [N * K / 32];
 // bias: [N] or None. Returns [M, N] in x's dtype.
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
                           const c10::optional<torch::Tensor>& bias, int64_t N) {
@@ -217,24 +246,31 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
               "int8_linear: w must be contiguous uint8 with N * K elements");
   TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.numel() == N * K / kGroup,
               "int8_linear: scales must be contiguous float16 with N * K / 32 elements");
-  const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
-  const QuantizedX xq = quantize_rows(xf.data_ptr<float>(), M, K);
-  torch::Tensor y = torch::empty({M, N}, xf.options());
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16 ||
+                  x.scalar_type() == torch::kHalf,
+              "int8_linear: x must be float32, bfloat16 or float16");
+  const torch::Tensor xc = x.contiguous();
+  QuantizedX xq;
+  switch (x.scalar_type()) {
+    case torch::kBFloat16: xq = quantize_rows(xc.data_ptr<c10::BFloat16>(), M, K); break;
+    case torch::kHalf: xq = quantize_rows(xc.data_ptr<c10::Half>(), M, K); break;
+    default: xq = quantize_rows(xc.data_ptr<float>(), M, K);
+  }
+  torch::Tensor bias_f;
+  if (bias.has_value()) {
+    bias_f = bias->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(bias_f.numel() == N, "int8_linear: bias must have N elements");
+  }
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  const Output out{y.data_ptr(), x.scalar_type(), N, bias.has_value() ? bias_f.data_ptr<float>() : nullptr};
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const c10::Half* sp = scales.data_ptr<c10::Half>();
-  float* yp = y.data_ptr<float>();
   const int64_t tiles = N / kTileRows;
   const int64_t tasks = (tiles + kTilesPerTask - 1) / kTilesPerTask;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    task_kernel(xq, M, K, wp, sp, yp, N, begin * kTilesPerTask, std::min(tiles, end * kTilesPerTask));
+    task_kernel(xq, M, K, wp, sp, out, begin * kTilesPerTask, std::min(tiles, end * kTilesPerTask));
   });
-  if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
-  return y.to(x.scalar_type());
+  return y;
 }
 
 std::string isa() { return kIsa; }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_linear", &int8_linear, "y = x . W^T + bias, W packed int8 with a scale per 32 weights");
-  m.def("isa", &isa, "the instruction set the kernel was built for");
-}
