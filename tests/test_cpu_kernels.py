@@ -69,7 +69,9 @@ def test_paged_decode_matches_the_gathering_path(dtype, heads, kv_heads, head_di
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-def test_use_cpu_kernels_swaps_norms_and_activations_keeping_weights(tiny_qwen3):
+def test_use_cpu_kernels_swaps_norms_activations_and_rotary_keeping_weights(tiny_qwen3):
+    from qwenbatch.layers.cpu_kernels import KernelRotaryEmbedding
+    from qwenbatch.layers.rotary import RotaryEmbedding
     from qwenbatch.loader.hf import load_hf_model
 
     model = load_hf_model(tiny_qwen3, torch.float32, torch.device("cpu"))
@@ -78,6 +80,29 @@ def test_use_cpu_kernels_swaps_norms_and_activations_keeping_weights(tiny_qwen3)
     swapped = use_cpu_kernels(model)
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     acts = [m for m in model.modules() if isinstance(m, SiluAndMul)]
-    assert swapped == len(norms) + len(acts) > 0
+    rotary = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    assert swapped == len(norms) + len(acts) + len(rotary) > 1
+    assert all(type(m) is KernelRotaryEmbedding for m in rotary)
     assert all(type(m) is KernelRMSNorm for m in norms) and all(type(m) is KernelSiluAndMul for m in acts)
     assert norm.weight is weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_matches_the_layer_on_slices_of_the_fused_projection(dtype):
+    from qwenbatch.layers.cpu_kernels import KernelRotaryEmbedding
+    from qwenbatch.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(4)
+    heads, kv_heads, head_dim, tokens = 14, 2, 64, 9
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)  # strided rows, as in the model
+    positions = torch.tensor([0, 1, 2, 7, 100, 3000, 5, 6, 9])
+    plain, fused = RotaryEmbedding(head_dim, 1e6), KernelRotaryEmbedding(head_dim, 1e6)
+    plain.reserve(4096, torch.device("cpu"))
+    fused.reserve(4096, torch.device("cpu"))
+    for want, got in zip(plain(positions, dtype).apply(q, k), fused(positions, dtype).apply(q, k), strict=True):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(got, want)

@@ -19,6 +19,7 @@ from torch import nn
 
 from qwenbatch.layers.activation import SiluAndMul
 from qwenbatch.layers.norm import RMSNorm
+from qwenbatch.layers.rotary import Rope, RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -73,13 +74,30 @@ class KernelSiluAndMul(SiluAndMul):
         return kernels().silu_and_mul(x)
 
 
+class KernelRope(Rope):
+    """Rotates queries and keys in one kernel call each, with the PyTorch expression's rounding steps."""
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        module = kernels()
+        return module.rotary(q, self.cos, self.sin), module.rotary(k, self.cos, self.sin)
+
+
+class KernelRotaryEmbedding(RotaryEmbedding):
+    """RotaryEmbedding whose tables rotate through the kernel."""
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        rope = super().forward(positions, dtype)
+        return KernelRope(rope.cos, rope.sin)
+
+
 def use_cpu_kernels(model: nn.Module) -> int:
-    """Swap ``model``'s RMSNorm and SiluAndMul modules for their one-call kernels; returns how many.
+    """Swap ``model``'s RMSNorm, SiluAndMul and RotaryEmbedding modules for their kernel-calling
+    subclasses; returns how many.
 
     Parameters stay where they are (the same tensors), so this may run before or after loading.
     """
     kernels()  # build first, so a missing compiler fails before anything changes
-    swaps = {RMSNorm: KernelRMSNorm, SiluAndMul: KernelSiluAndMul}
+    swaps = {RMSNorm: KernelRMSNorm, SiluAndMul: KernelSiluAndMul, RotaryEmbedding: KernelRotaryEmbedding}
     count = 0
     for module in model.modules():
         if type(module) in swaps:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -33,10 +35,21 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin = emb.cos(), emb.sin()
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, head_dim]`` for the packed tokens' positions (covered by ``reserve``);
-        computed once per step and shared by every layer."""
-        return self._cos[positions].to(dtype)[:, None, :], self._sin[positions].to(dtype)[:, None, :]
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The packed tokens' cos and sin (positions covered by ``reserve``), computed once per step and
+        shared by every layer."""
+        return Rope(self._cos[positions].to(dtype)[:, None, :], self._sin[positions].to(dtype)[:, None, :])
+
+
+@dataclass
+class Rope:
+    """One step's rotary tables: cos and sin ``[T, 1, head_dim]``; ``apply`` rotates queries and keys."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary(q, k, self.cos, self.sin)
 
 
 def apply_rotary(

@@ -6,6 +6,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
 std::string isa();
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor silu_and_mul(const torch::Tensor& x);
+torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& lens, double scale);
 
@@ -14,5 +15,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the instruction set int8_linear was built for");
   m.def("rms_norm", &rms_norm, "RMSNorm in float32, scaled in the input dtype");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(x[..., :n]) * x[..., n:]");
+  m.def("rotary", &rotary, "neox-layout RoPE of [T, heads, head_dim] rows into a new tensor");
   m.def("paged_decode_attention", &paged_decode_attention, "one query per sequence against its paged K/V");
 }

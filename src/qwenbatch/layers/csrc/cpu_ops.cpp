@@ -1,5 +1,5 @@
 // Fused CPU ops for small steps, where PyTorch's per-op cost (5-25 us an op on a [1, 896] tensor) rather
-// than arithmetic sets the time: RMSNorm, SiLU(gate) * up, and decode attention reading the paged KV
+// than arithmetic sets the time: RMSNorm, SiLU(gate) * up, RoPE, and decode attention reading the paged KV
 // cache through the block tables in place (no per-step gather of each sequence's context).
 // Arithmetic in float32 whatever the storage dtype; loops are written for the compiler to vectorize (the
 // reductions through `omp simd`, which lets it reorder their sums).
@@ -70,6 +70,30 @@ void silu_and_mul_impl(const T* x, T* y, int64_t rows, int64_t n) {
         // SiLU rounded to the storage dtype first, as F.silu(gate) * up does.
         const float s = static_cast<float>(static_cast<T>(g / (1.f + std::exp(-g))));
         yr[i] = static_cast<T>(s * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+// Neox-layout RoPE: out = x * cos + rotate_half(x) * sin, each product rounded to the storage dtype first,
+// as the PyTorch expression does. x: rows of `heads` vectors of head_dim (row stride ld), cos/sin [T, head_dim].
+template <typename T>
+void rotary_impl(const T* x, int64_t ld, int64_t head_stride, const T* cos, const T* sin, T* out, int64_t tokens,
+                 int64_t heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, tokens, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* c = cos + t * head_dim;
+      const T* s = sin + t * head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* xh = x + t * ld + h * head_stride;
+        T* oh = out + (t * heads + h) * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) {
+          const float rotated = i < half ? -static_cast<float>(xh[i + half]) : static_cast<float>(xh[i - half]);
+          const T a = static_cast<T>(static_cast<float>(xh[i]) * static_cast<float>(c[i]));
+          const T b = static_cast<T>(static_cast<float>(static_cast<T>(rotated)) * static_cast<float>(s[i]));
+          oh[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+        }
       }
     }
   });
@@ -156,6 +180,21 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
               rms_norm_impl<scalar_t>(xc.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
                                       xc.numel() / n, n, static_cast<float>(eps)));
   return y;
+}
+
+// x: [T, heads, head_dim] with a contiguous last dim (e.g. a slice of the fused qkv output); cos, sin:
+// [T, head_dim] (any leading view) in x's dtype. Returns a new contiguous [T, heads, head_dim].
+torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary: x must be [T, heads, head_dim] with contiguous rows");
+  const int64_t T = x.size(0), heads = x.size(1), head_dim = x.size(2);
+  const torch::Tensor c = cos.reshape({T, head_dim}).contiguous(), s = sin.reshape({T, head_dim}).contiguous();
+  TORCH_CHECK(c.scalar_type() == x.scalar_type() && s.scalar_type() == x.scalar_type() && head_dim % 2 == 0,
+              "rotary: cos and sin in x's dtype, an even head_dim");
+  torch::Tensor out = torch::empty({T, heads, head_dim}, x.options());
+  QB_DISPATCH(x.scalar_type(), "rotary",
+              rotary_impl<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.stride(1), c.data_ptr<scalar_t>(),
+                                    s.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), T, heads, head_dim));
+  return out;
 }
 
 // x: [..., 2n] (gate, then up) -> [..., n].
