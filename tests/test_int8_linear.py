@@ -113,3 +113,13 @@ def test_bad_quantization_settings_are_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ValueError, match="CPU only"):
         EngineConfig(quantization="int8", device="cuda")
+
+
+def test_a_layer_packed_in_slices_equals_one_packed_whole():
+    torch.manual_seed(5)
+    dense = nn.Linear(64, 9000, bias=False)  # more rows than one slice: packed in three, then padded
+    layer = Int8Linear(dense)
+    padded = torch.nn.functional.pad(dense.weight.detach(), (0, 0, 0, layer.padded_out - 9000))
+    whole_weight, whole_scales = pack(*quantize_weight(padded))
+    assert torch.equal(layer.packed_weight, whole_weight)
+    assert torch.equal(layer.packed_scales, whole_scales)

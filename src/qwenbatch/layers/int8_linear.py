@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32  # weights per scale
 TILE_ROWS = 16  # the kernel's packed layout keeps output rows in tiles of this many
+_ROWS_PER_SLICE = 4096  # a multiple of TILE_ROWS: slices pack independently
 
 
 @torch.no_grad()
@@ -65,7 +66,12 @@ class Int8Linear(nn.Module):
         self.padded_out = -(-self.out_features // TILE_ROWS) * TILE_ROWS
         if self.padded_out != self.out_features:
             weight = F.pad(weight, (0, 0, 0, self.padded_out - self.out_features))
-        self.packed_weight, self.packed_scales = pack(*quantize_weight(weight))
+        # In slices of rows: the float32 temporaries of a 151,936-row LM head would otherwise add GBs to the peak.
+        parts = [
+            pack(*quantize_weight(weight[i : i + _ROWS_PER_SLICE])) for i in range(0, self.padded_out, _ROWS_PER_SLICE)
+        ]
+        self.packed_weight = torch.cat([w for w, _ in parts])
+        self.packed_scales = torch.cat([sc for _, sc in parts])
         bias = None if linear.bias is None else linear.bias.detach().float()
         if bias is not None and self.padded_out != self.out_features:
             bias = F.pad(bias, (0, self.padded_out - self.out_features))
