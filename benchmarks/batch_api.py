@@ -23,8 +23,9 @@ from pathlib import Path
 import httpx
 import openai
 from batch_scaling import run_batch, stop, write_batch
-from serve_concurrency import free_port, start_server
+from serve_concurrency import start_server
 
+from qwenbatch.bench.serving import free_port
 from qwenbatch.bench.stats import percentile
 
 PROBE_PROMPTS = ["Name a prime number.", "What is 2 + 2?", "Say hello in French.", "What colour is the sky?"]

@@ -27,7 +27,8 @@ import httpx
 import orjson
 import serve_concurrency
 from common import CHAT_INSTRUCTIONS
-from serve_concurrency import free_port
+
+from qwenbatch.bench.serving import free_port
 
 CLI = [sys.executable, "-m", "qwenbatch.cli"]
 SUMMARY = re.compile(r"(\d+) ok, (\d+) failed.*?(\d+) prompt \+ (\d+) output tokens in ([0-9.]+) s")

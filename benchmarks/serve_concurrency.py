@@ -14,23 +14,14 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 from common import CHAT_INSTRUCTIONS  # benchmarks/ is on sys.path when this script runs
 
-from qwenbatch.bench.serving import run_chat_batch, summarize
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from qwenbatch.bench.serving import free_port, run_chat_batch, summarize, wait_healthy
 
 
 def start_server(
@@ -41,18 +32,12 @@ def start_server(
     cmd = [sys.executable, "-m", "qwenbatch.cli", "serve", "--model", model, "--dtype", dtype, "--port", str(port)]
     cmd += extra
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited: {server.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    server.kill()
-    raise TimeoutError("the server did not become healthy")
+    try:
+        wait_healthy(server, f"http://127.0.0.1:{port}", timeout_s=900)
+    except Exception:
+        server.kill()
+        raise
+    return server
 
 
 def main() -> int:

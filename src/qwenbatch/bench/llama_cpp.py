@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -55,17 +54,13 @@ def gguf_for(model: str) -> Path:
     raise ValueError(f"--baseline llama.cpp needs a GGUF model (--model default or a .gguf file), got {model!r}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LlamaServer:
     """A llama-server child process on loopback, for a ``with`` block; ``peak_rss_mib`` after."""
 
     def __init__(self, gguf: Path, parallel: int, ctx_per_slot: int, threads: int) -> None:
-        self.port = _free_port()
+        from qwenbatch.bench.serving import free_port  # the server extra's httpx, only when run
+
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [
             str(bin_dir() / "llama-server"),
@@ -77,22 +72,15 @@ class LlamaServer:
         self._proc: subprocess.Popen | None = None
 
     def __enter__(self) -> LlamaServer:
-        import httpx
+        from qwenbatch.bench.serving import wait_healthy
 
         self._proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                tail = self._proc.stderr.read()[-2000:]
-                raise RuntimeError(f"llama-server exited with {self._proc.returncode}: {tail}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.__exit__()
-        raise RuntimeError("llama-server did not become healthy within 120 s")
+        try:
+            wait_healthy(self._proc, self.url, timeout_s=120)
+        except Exception:
+            self.__exit__()
+            raise
+        return self
 
     def sample_rss(self) -> None:
         self.peak_rss_bytes = max(self.peak_rss_bytes, psutil.Process(self._proc.pid).memory_info().rss)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import random
+import socket
 import statistics
+import subprocess
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -20,6 +22,29 @@ import httpx
 import orjson
 
 from qwenbatch.bench.stats import percentile
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now, for a server child process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    """Poll ``url``/health until it answers 200. RuntimeError with the end of the process's stderr if it exits
+    first, TimeoutError when ``timeout_s`` runs out (stopping the process is the caller's)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{proc.args[0]} did not become healthy within {timeout_s:.0f} s")
 
 
 @dataclass

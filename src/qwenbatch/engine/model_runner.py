@@ -86,8 +86,8 @@ class ModelRunner:
         self.linear_kernels = "torch"  # recorded in the log and in bench JSON
         # int8 runs on our CPU kernels (layers/cpu_kernels.py), and so, once they are built, do the norms,
         # SiLU * up and decode attention (a batch-1 step is otherwise half PyTorch per-op overhead).
-        self.cpu_kernels = quantization == "int8"
-        if self.cpu_kernels:
+        cpu_kernels = quantization == "int8"
+        if cpu_kernels:
             from qwenbatch.layers.cpu_kernels import kernels, use_cpu_kernels
             from qwenbatch.layers.int8_linear import quantize_linears
 
@@ -108,7 +108,7 @@ class ModelRunner:
             from qwenbatch.layers.triton_backend import TritonAttentionMetadata
 
             self._metadata_class: type[AttentionMetadata] = TritonAttentionMetadata
-        elif self.cpu_kernels:
+        elif cpu_kernels:
             self._metadata_class = KernelAttentionMetadata
         else:
             self._metadata_class = TorchAttentionMetadata

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from qwenbatch.layers.cpu_kernels import kernels
+
 
 @dataclass
 class PrefillChunk:
@@ -213,8 +215,6 @@ class KernelAttentionMetadata(TorchAttentionMetadata):
     def _decode(
         self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        from qwenbatch.layers.cpu_kernels import kernels
-
         return kernels().paged_decode_attention(q, kv_cache, self.decode_block_tables, self.decode_lens, scale)
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwenbatch.layers.cpu_kernels import kernels
+from qwenbatch.layers.linear import replace_linears
 
 logger = logging.getLogger(__name__)
 
@@ -95,15 +96,8 @@ def int8_supported(linear: nn.Linear) -> bool:
 
 
 def quantize_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` the kernel supports by an Int8Linear; returns how many.
-
-    The dense weights are released as they go (a tied LM head keeps the embedding it shares).
-    """
-    kernels()  # build before the first layer, so a missing compiler fails fast
-    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and int8_supported(m)]
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(getattr(parent, child)))
-    logger.info("quantized %d linear layers to int8 (%s kernel)", len(names), kernels().isa())
-    return len(names)
+    """Replace every ``nn.Linear`` of ``model`` the kernel supports by an Int8Linear; returns how many."""
+    module = kernels()  # build before the first layer, so a missing compiler fails fast
+    count = replace_linears(model, Int8Linear, keep=lambda linear: not int8_supported(linear))
+    logger.info("quantized %d linear layers to int8 (%s kernel)", count, module.isa())
+    return count

@@ -11,6 +11,7 @@ the batch size, which ``F.linear`` does not promise.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -44,16 +45,20 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a PackedLinear; returns how many were replaced.
-
-    The dense weights are released as they go (a tied LM head keeps the embedding it shares).
-    """
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module], keep=lambda linear: False) -> int:
+    """Replace every ``nn.Linear`` of ``model`` (but those ``keep`` says to leave) by ``make(linear)``;
+    returns how many. The dense weights are released as they go (a tied LM head keeps the embedding)."""
     # Names, not modules: holding the modules would keep every dense weight alive until the end.
-    names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and not keep(m)]
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(getattr(parent, child)))
-    logger.info("packed %d linear layers for oneDNN", len(names))
+        setattr(parent, child, make(getattr(parent, child)))
     return len(names)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` of ``model`` by a PackedLinear; returns how many were replaced."""
+    count = replace_linears(model, PackedLinear)
+    logger.info("packed %d linear layers for oneDNN", count)
+    return count
