@@ -251,6 +251,19 @@ def test_batch_lines_run_below_interactive_requests(client, server, monkeypatch)
     run_to_end(client, batch.id)
 
 
+def test_another_keys_small_batch_finishes_while_a_large_one_runs(client, other_client, server):
+    large = submit(client, [chat_line(i, max_tokens=32) for i in range(64)])
+    wait_for(lambda: client.batches.retrieve(large.id).request_counts.completed >= 1, "the large batch to run", 60)
+    small = run_to_end(other_client, submit(other_client, [chat_line(i) for i in range(3)]).id)
+    assert small.status == "completed" and small.request_counts.completed == 3
+    # Side by side, not after it: the large batch (64 lines on 4 seats) is far from done.
+    assert client.batches.retrieve(large.id).status == "in_progress"
+    assert client.batches.retrieve(large.id).request_counts.completed < 60
+    done = run_to_end(client, large.id)
+    assert done.status == "completed" and done.request_counts.completed == 64
+    assert server.app.state.batch_worker.fair_share.share() == server.app.state.batch_worker.capacity
+
+
 # -- crash safety: a real `qwenbatch serve` killed with SIGKILL ------------------------------------
 
 
@@ -366,10 +379,10 @@ def test_the_worker_survives_a_locked_store_reports_it_and_then_finishes_the_bat
     locked = [True]
     unfinished = BatchStore.unfinished_batches
 
-    def flaky(self):
+    def flaky(self, *args):
         if locked[0]:
             raise sqlite3.OperationalError("database is locked")
-        return unfinished(self)
+        return unfinished(self, *args)
 
     monkeypatch.setattr(BatchStore, "unfinished_batches", flaky)
     monkeypatch.setattr(batch_worker, "RETRY_FIRST_S", 0.05)
@@ -392,6 +405,41 @@ def test_the_worker_survives_a_locked_store_reports_it_and_then_finishes_the_bat
         done = run_to_end(client, batch.id)
         assert done.status == "completed" and done.request_counts.completed == 3
         assert "batch_worker" not in httpx.get(srv.url + "/health").json()
+
+
+def test_the_engine_dying_mid_batch_loses_nothing_and_a_restart_finishes_it(tiny_qwen3, tmp_path, reference):
+    import httpx
+
+    settings = ServerSettings(served_model_names=[MODEL], api_keys=[KEY_A], data_dir=tmp_path / "data")
+    config = EngineConfig(model=str(tiny_qwen3), dtype="float32", kv_cache_memory=2**24, max_num_seqs=4)
+    lines = [chat_line(i, max_tokens=24) for i in range(30)]
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    with RunningServer(settings, config) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY_A, max_retries=0)
+        batch = submit(client, lines)
+        wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, "lines done", 60)
+
+        def broken_step():
+            raise RuntimeError("the engine broke")
+
+        srv.engine.step = broken_step
+        wait_for(lambda: srv.app.state.batch_worker.state == "stopped", "the worker to stop")
+        health = httpx.get(srv.url + "/health", headers=auth)
+        assert health.status_code == 503 and health.json() == {"status": "dead", "error": "the engine broke"}
+        stopped = client.batches.retrieve(batch.id)
+        assert stopped.status == "in_progress" and stopped.request_counts.failed == 0
+        assert 3 <= stopped.request_counts.completed < 30
+    with RunningServer(settings, config) as srv:  # the same data dir: the batch resumes
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY_A, max_retries=0)
+        done = run_to_end(client, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 30 and done.request_counts.failed == 0
+        results = output_lines(client, done.output_file_id)
+    assert [r["custom_id"] for r in results] == [line["custom_id"] for line in lines]  # each once, in order
+    expected = reference.chat(
+        [line["body"]["messages"] for line in lines], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False
+    )
+    for result, want in zip(results, expected, strict=True):
+        assert result["response"]["body"]["choices"][0]["message"]["content"] == want.outputs[0].text
 
 
 # -- finalizing survives crashes: a torn result log, a crash between a file and its id ---------------

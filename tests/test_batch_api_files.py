@@ -34,6 +34,8 @@ from qwenbatch.server.storage import (
     BatchStore,
     FileRecord,
     FileTooLarge,
+    KeyQuota,
+    QuotaExceeded,
     RequestCounts,
 )
 from server_harness import RunningServer
@@ -556,3 +558,85 @@ def test_concurrent_uploads_from_threads_all_land(store):
     listed = store.list_files("alice")
     assert len(set(ids)) == 40 and sorted(f.id for f in listed) == sorted(ids)
     assert all(isinstance(f, FileRecord) and f.bytes == len(LINE) for f in listed)
+
+
+# -- per-key quotas -----------------------------------------------------------------------------------
+
+
+def test_a_key_at_its_file_quota_is_refused_and_nothing_is_left(tmp_path):
+    store = BatchStore(tmp_path / "data", KeyQuota(max_files=2, max_bytes=3 * len(LINE)))
+    for i in range(2):
+        store.create_file("alice", f"{i}.jsonl", "batch", io.BytesIO(LINE))
+    with pytest.raises(QuotaExceeded, match="holds 2 files; the limit is 2") as e:
+        store.create_file("alice", "2.jsonl", "batch", io.BytesIO(LINE))
+    assert e.value.limit == "max_files"
+    assert len(store.create_file("bob", "b.jsonl", "batch", io.BytesIO(LINE)).id)  # another key's quota is its own
+    assert len(store.list_files("alice")) == 2 and len(leftovers(tmp_path / "data")) == 3
+    store.delete_file("alice", store.list_files("alice")[0].id)
+    limit = 3 * len(LINE)
+    with pytest.raises(QuotaExceeded, match=f"holds {len(LINE)} bytes .* the limit is {limit} bytes") as e:
+        store.create_file("alice", "big.jsonl", "batch", io.BytesIO(LINE * 3))
+    assert e.value.limit == "max_bytes" and len(store.list_files("alice")) == 1
+    store.create_file("alice", "fits.jsonl", "batch", io.BytesIO(LINE * 2))
+
+
+def test_a_batchs_output_file_is_stored_past_the_quota(tmp_path):
+    store = BatchStore(tmp_path / "data", KeyQuota(max_files=1))
+    store.create_file("alice", "in.jsonl", "batch", io.BytesIO(LINE))
+    output = store.batch_dir("batch_" + "0" * 24) / "output.jsonl"
+    output.write_bytes(LINE)
+    store.add_file_from_path("alice", "out.jsonl", "batch_output", output)
+    assert len(store.list_files("alice")) == 2
+
+
+def test_concurrent_uploads_never_pass_the_file_quota(tmp_path):
+    store = BatchStore(tmp_path / "data", KeyQuota(max_files=5))
+    refused: list[str] = []
+
+    def upload(i: int) -> None:
+        try:
+            store.create_file("alice", f"{i}.jsonl", "batch", io.BytesIO(LINE))
+        except QuotaExceeded as e:
+            refused.append(e.limit)
+
+    threads = [threading.Thread(target=upload, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(store.list_files("alice")) == 5 and refused == ["max_files"] * 7
+    assert len(leftovers(tmp_path / "data")) == 5
+
+
+def test_a_key_at_its_open_batch_quota_is_refused_until_one_finishes(tmp_path):
+    store = BatchStore(tmp_path / "data", KeyQuota(max_open_batches=2))
+    first, _ = new_batch(store), new_batch(store)
+    with pytest.raises(QuotaExceeded, match="2 unfinished batches; the limit is 2"):
+        new_batch(store)
+    new_batch(store, owner="bob")
+    store.update_batch(first.id, status="completed")
+    new_batch(store)
+    assert len(store.list_batches("alice")) == 3
+
+
+def test_the_server_answers_429_naming_the_flag_of_the_quota(tiny_qwen3, tmp_path):
+    settings = ServerSettings(
+        served_model_names=["tiny"], data_dir=tmp_path / "data", max_files_per_key=2, max_open_batches_per_key=1
+    )
+    line = b'{"custom_id": "r%d", "method": "POST", "url": "/v1/chat/completions", "body": {"max_tokens": 64}}\n'
+    with RunningServer(settings, engine_config(tiny_qwen3)) as server:
+        client = client_for(server)
+        upload = client.files.create(file=("a.jsonl", b"".join(line % i for i in range(50))), purpose="batch")
+        client.files.create(file=("b.jsonl", LINE), purpose="batch")
+        with pytest.raises(openai.RateLimitError) as e:
+            client.files.create(file=("c.jsonl", LINE), purpose="batch")
+        assert e.value.body["code"] == "quota_exceeded" and "--max-files-per-key" in e.value.body["message"]
+        assert len(client.files.list().data) == 2
+        running = client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        with pytest.raises(openai.RateLimitError) as e:
+            client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert "--max-open-batches-per-key" in e.value.body["message"]
+        assert [b.id for b in client.batches.list().data] == [running.id]
+        client.batches.cancel(running.id)

@@ -78,6 +78,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="most requests in one batch's input file (400 above it)",
     )
     serve.add_argument(
+        "--max-files-per-key",
+        type=int,
+        default=int(env("QWENBATCH_MAX_FILES_PER_KEY", "10000")),
+        help="most files one API key may hold (uploads past it get 429)",
+    )
+    serve.add_argument(
+        "--max-storage-per-key",
+        type=parse_bytes,
+        default=parse_bytes(env("QWENBATCH_MAX_STORAGE_PER_KEY", "100GB")),
+        help="most bytes of files one API key may hold, batch outputs included (uploads past it get 429)",
+    )
+    serve.add_argument(
+        "--max-open-batches-per-key",
+        type=int,
+        default=int(env("QWENBATCH_MAX_OPEN_BATCHES_PER_KEY", "100")),
+        help="most unfinished batches one API key may have (new batches past it get 429)",
+    )
+    serve.add_argument(
         "--request-timeout",
         type=float,
         default=float(env("QWENBATCH_REQUEST_TIMEOUT", "60")),
@@ -132,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         max_file_bytes=args.max_file_bytes,
         max_batch_requests=args.max_batch_requests,
+        max_files_per_key=args.max_files_per_key,
+        max_storage_per_key=args.max_storage_per_key,
+        max_open_batches_per_key=args.max_open_batches_per_key,
         on_fatal=on_fatal,
         request_timeout_s=args.request_timeout,
     )

@@ -28,7 +28,7 @@ from qwenbatch.server.common import APIError, ClientDisconnected, OrjsonResponse
 from qwenbatch.server.guard import GuardMiddleware, is_admin
 from qwenbatch.server.metrics import ServerMetrics
 from qwenbatch.server.protocol import ConfigUpdate
-from qwenbatch.server.storage import BatchStore
+from qwenbatch.server.storage import BatchStore, KeyQuota
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,10 @@ class ServerSettings:
     data_dir: Path | None = None  # the files and batches (storage.BatchStore); default: <cache>/server
     max_file_bytes: int = 200 * 10**6  # largest file uploaded to /v1/files (OpenAI's limit)
     max_batch_requests: int = 50_000  # most requests in one batch's input file (OpenAI's limit)
+    # What one key may hold at once (storage.KeyQuota); past them its uploads and new batches get 429.
+    max_files_per_key: int = 10_000
+    max_storage_per_key: int = 100 * 10**9  # bytes of its files, batch outputs included
+    max_open_batches_per_key: int = 100
     batch_api: bool = True  # /v1/files and /v1/batches, and the worker running the batches
     on_fatal: Callable[[BaseException], None] | None = None  # called if the engine cannot load or dies
     request_timeout_s: float = 60.0  # a body must arrive within this (an upload: no stall this long); else 408
@@ -59,6 +63,9 @@ class ServerSettings:
             raise ValueError(f"max_file_bytes must be >= 1, got {self.max_file_bytes}")
         if self.max_batch_requests < 1:
             raise ValueError(f"max_batch_requests must be >= 1, got {self.max_batch_requests}")
+        for name in ("max_files_per_key", "max_storage_per_key", "max_open_batches_per_key"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if any(not key or key != key.strip() for key in self.api_keys):
@@ -93,7 +100,8 @@ def build_app(
     app.state.metrics = metrics
     app.state.settings = settings
     if settings.batch_api:
-        app.state.store = BatchStore(settings.data_dir or cache_root() / "server")
+        quota = KeyQuota(settings.max_files_per_key, settings.max_storage_per_key, settings.max_open_batches_per_key)
+        app.state.store = BatchStore(settings.data_dir or cache_root() / "server", quota)
         # Batch lines in flight: enough to fill every batch slot, few enough to leave the waiting queue
         # (and, with priority, the seats) to interactive requests.
         capacity = max(1, min(2 * engine_config.max_num_seqs, settings.max_waiting_seqs // 2))

@@ -11,6 +11,10 @@ of the next begins, so a server killed anywhere resumes where it stopped:
   the batch's owner and at ``BATCH_PRIORITY``, so interactive requests are served first;
 - finalizing: the results are put in input order and split into the output file (answers) and the
   error file (errors), each recorded as soon as it exists, so a restart does not make it twice.
+
+Fairness: each key's batches run one at a time, oldest first, and the keys' runs go on side by side, each
+with an even share of the lines in flight (``fair_share.FairShare``), so a key's small batch is not stuck
+behind another key's large one.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from qwenbatch.batch.jsonl import (
     write_in_input_order,
 )
 from qwenbatch.batch.runner import BatchOptions, run_batch, succeeded
+from qwenbatch.server.fair_share import FairShare
 from qwenbatch.server.guard import INTERNAL_OWNER_HEADER
 from qwenbatch.server.storage import BatchError, BatchRecord, BatchStore, RequestCounts, derived_file_id
 
@@ -64,11 +69,14 @@ class EngineUnavailable(RuntimeError):
 
 
 class AppBackend:
-    """A run-batch backend that is this server's own app, through httpx's in-memory transport."""
+    """A run-batch backend that is this server's own app, through httpx's in-memory transport; with
+    ``fair_share``, each line waits for one of its owner's slots in it before it is sent."""
 
-    def __init__(self, app, token: str, owner: str, capacity: int) -> None:
+    def __init__(self, app, token: str, owner: str, capacity: int, fair_share: FairShare | None = None) -> None:
         self.app = app
         self.capacity = capacity
+        self.owner = owner
+        self.fair_share = fair_share
         self._headers = {"authorization": f"Bearer {token}", INTERNAL_OWNER_HEADER.decode(): owner}
         self._client: httpx.AsyncClient | None = None
 
@@ -83,7 +91,13 @@ class AppBackend:
         and EngineUnavailable ends the run when the engine is gone (the batch resumes at the next start)."""
         priority = body.get("priority")
         body = {**body, "priority": max(BATCH_PRIORITY, priority if isinstance(priority, int) else 0)}
-        content, delay = orjson.dumps(body), RETRY_FIRST_DELAY_S
+        if self.fair_share is None:
+            return await self._send(url, orjson.dumps(body))
+        async with self.fair_share.slot(self.owner):
+            return await self._send(url, orjson.dumps(body))
+
+    async def _send(self, url: str, content: bytes) -> tuple[int, dict]:
+        delay = RETRY_FIRST_DELAY_S
         while True:
             response = await self._client.post(url, content=content, headers={"content-type": "application/json"})
             if response.status_code not in BUSY_STATUSES:
@@ -101,16 +115,19 @@ class AppBackend:
 
 
 class BatchWorker:
-    """Runs the store's unfinished batches one at a time, oldest first, from the app's event loop."""
+    """Runs the store's unfinished batches from the app's event loop: one at a time per key, oldest first,
+    the keys side by side with fair shares of ``capacity``."""
 
     def __init__(self, app, store: BatchStore, capacity: int) -> None:
         self.app = app
         self.store = store
-        self.capacity = capacity  # lines in flight: enough to fill the batch, bounded below the queue limit
+        self.capacity = capacity  # lines in flight, all keys together: fill the engine, leave room in the queue
+        self.fair_share = FairShare(capacity)
         self.token = secrets.token_urlsafe(32)  # for the guard: this worker's requests, and no one else's
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._current: tuple[str, asyncio.Task] | None = None  # the batch running now and its run
+        self._owner_runs: dict[str, asyncio.Task] = {}  # owner -> the task running its batches, one by one
+        self._running: dict[str, asyncio.Task] = {}  # batch id -> its run_batch, while in progress
         # "starting", "running", "retrying" (after an error, with last_error) or "stopped" (the engine is gone)
         self.state = "starting"
         self.last_error: str | None = None
@@ -134,9 +151,9 @@ class BatchWorker:
         self._wake.set()
 
     def cancel(self, batch_id: str) -> None:
-        """Stop the batch's run if it is the one running (its status is "cancelling" already)."""
-        if self._current is not None and self._current[0] == batch_id:
-            self._current[1].cancel()
+        """Stop the batch's run if it is running (its status is "cancelling" already)."""
+        if (run := self._running.get(batch_id)) is not None:
+            run.cancel()
         self.notify()
 
     async def _loop(self) -> None:
@@ -159,26 +176,48 @@ class BatchWorker:
                 delay = min(2 * delay, RETRY_MAX_S)
 
     async def _run_batches(self) -> None:
+        """Start a run for every key with unfinished batches; a run's error that is not one batch's own
+        (the store, the disk, the engine) ends them all and goes to the supervisor."""
         from qwenbatch.engine.async_engine import EngineState
 
         engine = self.app.state.ctx.engine
         while engine.state is EngineState.LOADING:
             await asyncio.sleep(0.1)
-        while engine.state is EngineState.READY:
-            self._wake.clear()
-            batches = await asyncio.to_thread(self.store.unfinished_batches)
-            self.state = "running"
-            for batch in batches:
+        try:
+            while engine.state is EngineState.READY:
+                self._wake.clear()
+                batches = await asyncio.to_thread(self.store.unfinished_batches)
+                self.state = "running"
+                for owner in dict.fromkeys(batch.owner for batch in batches):  # the oldest batch's key first
+                    if owner not in self._owner_runs:
+                        self._owner_runs[owner] = asyncio.create_task(self._run_owner(owner))
+                wake = asyncio.ensure_future(self._wake.wait())
                 try:
-                    await self._process(batch)
-                except (asyncio.CancelledError, EngineUnavailable, sqlite3.Error, OSError):
-                    raise  # not this batch's fault: the supervisor retries, the batch resumes where it was
-                except Exception:  # a broken batch must not stop the others
-                    logger.exception("batch %s failed in the worker", batch.id)
-                    await self._fail(batch, "internal_error", "the server failed while running the batch")
-            if not batches:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=5.0)
+                    runs = {wake, *self._owner_runs.values()}
+                    await asyncio.wait(runs, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    wake.cancel()
+                for owner, run in list(self._owner_runs.items()):
+                    if run.done():
+                        del self._owner_runs[owner]
+                        run.result()  # raises the run's error, if it had one
+        finally:
+            runs, self._owner_runs = list(self._owner_runs.values()), {}
+            for run in runs:
+                run.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+
+    async def _run_owner(self, owner: str) -> None:
+        """Run ``owner``'s unfinished batches one at a time, oldest first, until it has none."""
+        while batches := await asyncio.to_thread(self.store.unfinished_batches, owner):
+            batch = batches[0]
+            try:
+                await self._process(batch)
+            except (asyncio.CancelledError, EngineUnavailable, sqlite3.Error, OSError):
+                raise  # not this batch's fault: the supervisor retries, the batch resumes where it was
+            except Exception:  # a broken batch must not stop the others
+                logger.exception("batch %s failed in the worker", batch.id)
+                await self._fail(batch, "internal_error", "the server failed while running the batch")
 
     async def _process(self, batch: BatchRecord) -> None:
         if batch.status == "validating":
@@ -240,10 +279,11 @@ class BatchWorker:
             ok = succeeded(result)
             counts = RequestCounts(counts.total, counts.completed + ok, counts.failed + (not ok))
 
-        backend = AppBackend(self.app, self.token, batch.owner, self.capacity)
+        backend = AppBackend(self.app, self.token, batch.owner, self.capacity, self.fair_share)
         options = BatchOptions(input_format="openai", resume=True, progress=False)
         run = asyncio.ensure_future(run_batch(folder / "input.jsonl", results, backend, options, on_result))
-        self._current = (batch.id, run)
+        self._running[batch.id] = run
+        self.fair_share.join(batch.owner)
         try:
             while not run.done():
                 await asyncio.wait({run}, timeout=PROGRESS_INTERVAL_S)
@@ -257,7 +297,8 @@ class BatchWorker:
             if asyncio.current_task().cancelling():
                 raise  # the server is stopping: the batch stays in progress, resumed at the next start
         finally:
-            self._current = None
+            del self._running[batch.id]
+            self.fair_share.leave(batch.owner)
             if not run.done():
                 run.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -14,11 +14,11 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 
 from qwenbatch.server.batch_worker import COMPLETION_WINDOWS, ENDPOINTS
-from qwenbatch.server.common import APIError, OrjsonResponse, list_page
+from qwenbatch.server.common import APIError, OrjsonResponse, list_page, quota_exceeded
 from qwenbatch.server.files import not_found as file_not_found
 from qwenbatch.server.guard import owner_of
 from qwenbatch.server.protocol import CreateBatchRequest
-from qwenbatch.server.storage import BatchRecord, BatchStore
+from qwenbatch.server.storage import BatchRecord, BatchStore, QuotaExceeded
 
 router = APIRouter()
 
@@ -53,9 +53,18 @@ async def create_batch(body: CreateBatchRequest, request: Request):
         message = f"the input file has {lines} requests; the limit per batch is {limit}"
         raise APIError(400, message, param="input_file_id", code="batch_too_large")
     expires_at = int(time.time()) + COMPLETION_WINDOWS[body.completion_window]
-    batch = await asyncio.to_thread(
-        store.create_batch, owner, body.endpoint, body.input_file_id, body.completion_window, body.metadata, expires_at
-    )
+    try:
+        batch = await asyncio.to_thread(
+            store.create_batch,
+            owner,
+            body.endpoint,
+            body.input_file_id,
+            body.completion_window,
+            body.metadata,
+            expires_at,
+        )
+    except QuotaExceeded as e:
+        raise quota_exceeded(e) from e
     request.app.state.batch_worker.notify()
     return OrjsonResponse(batch.to_openai())
 

@@ -18,6 +18,7 @@ from qwenbatch.engine.request import EngineRequest
 from qwenbatch.outputs import RequestOutput
 from qwenbatch.sampling_params import SamplingParams
 from qwenbatch.server.protocol import Usage, _SamplingFields
+from qwenbatch.server.storage import QuotaExceeded
 
 
 class APIError(Exception):
@@ -65,6 +66,19 @@ def list_page(records: list, limit: int) -> OrjsonResponse:
         "has_more": len(records) > limit,
     }
     return OrjsonResponse(page)
+
+
+# storage.KeyQuota's fields -> the serve flags that set them
+QUOTA_FLAGS = {
+    "max_files": "--max-files-per-key",
+    "max_bytes": "--max-storage-per-key",
+    "max_open_batches": "--max-open-batches-per-key",
+}
+
+
+def quota_exceeded(e: QuotaExceeded) -> APIError:
+    """The 429 for a key at one of its store quotas, naming the flag that sets it."""
+    return APIError(429, f"{e} [{QUOTA_FLAGS[e.limit]}]", "rate_limit_error", code="quota_exceeded")
 
 
 def unavailable(message: str) -> APIError:

@@ -12,9 +12,9 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
 
-from qwenbatch.server.common import APIError, OrjsonResponse, list_page
+from qwenbatch.server.common import APIError, OrjsonResponse, list_page, quota_exceeded
 from qwenbatch.server.guard import owner_of
-from qwenbatch.server.storage import BatchStore, FileTooLarge
+from qwenbatch.server.storage import BatchStore, FileTooLarge, QuotaExceeded
 
 router = APIRouter()
 
@@ -42,6 +42,8 @@ async def create_file(request: Request, file: Annotated[UploadFile, File()], pur
         )
     except FileTooLarge as e:
         raise APIError(413, str(e), param="file", code="request_too_large") from e
+    except QuotaExceeded as e:
+        raise quota_exceeded(e) from e
     return OrjsonResponse(record.to_openai())
 
 

@@ -87,6 +87,24 @@ COMMIT;
 """
 
 
+@dataclass(frozen=True)
+class KeyQuota:
+    """What one owner (API key) may hold in the store at once; None is no limit. Only the owner's own
+    acts are refused (uploads, new batches): a batch's output file is always stored, but it counts."""
+
+    max_files: int | None = None
+    max_bytes: int | None = None
+    max_open_batches: int | None = None  # batches not yet finished (UNFINISHED)
+
+
+class QuotaExceeded(ValueError):
+    """The owner would hold more than its KeyQuota allows; ``limit`` names the quota's field."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
 class FileTooLarge(ValueError):
     """An upload passed ``limit`` bytes; nothing of it was kept."""
 
@@ -198,9 +216,10 @@ _BATCH_UPDATABLE = frozenset(f.name for f in fields(BatchRecord)) - {"id", "owne
 class BatchStore:
     """Files and batches of every owner; a row of another owner is treated as if it did not exist."""
 
-    def __init__(self, data_dir: Path | str) -> None:
+    def __init__(self, data_dir: Path | str, quota: KeyQuota | None = None) -> None:
         """Open (creating if need be) the store under ``data_dir``; ValueError if a newer qwenbatch made it."""
         self.data_dir = Path(data_dir)
+        self.quota = quota or KeyQuota()
         self.db_path = self.data_dir / "qwenbatch.db"
         self.files_dir = self.data_dir / "files"
         self.tmp_dir = self.data_dir / "tmp"
@@ -229,7 +248,8 @@ class BatchStore:
     ) -> FileRecord:
         """Store the bytes of ``source`` (read in chunks from its current position, or the file at that path).
 
-        Raises FileTooLarge past ``max_bytes``, leaving nothing behind.
+        Raises FileTooLarge past ``max_bytes`` and QuotaExceeded when the owner would hold more files or
+        bytes than the quota allows, leaving nothing behind.
         """
         if isinstance(source, str | os.PathLike):
             with open(source, "rb") as f:
@@ -237,7 +257,7 @@ class BatchStore:
         tmp = self.tmp_dir / secrets.token_hex(16)
         try:
             size = _copy_synced(source, tmp, max_bytes)
-            return self._commit_file(owner, filename, purpose, tmp, size)
+            return self._commit_file(owner, filename, purpose, tmp, size, enforce_quota=True)
         finally:
             tmp.unlink(missing_ok=True)  # already moved away unless something failed
 
@@ -302,7 +322,7 @@ class BatchStore:
         metadata: dict[str, str] | None,
         expires_at: int | None,
     ) -> BatchRecord:
-        """A new batch in status "validating"."""
+        """A new batch in status "validating"; QuotaExceeded when the owner has its most open batches."""
         record = BatchRecord(
             id=_new_id("batch_"),
             owner=owner,
@@ -315,7 +335,15 @@ class BatchStore:
             metadata=metadata,
         )
         columns = _batch_columns({f.name: getattr(record, f.name) for f in fields(record)})
-        with self._connect() as conn:
+        with self._connect(immediate=True) as conn:  # the count and the insert in one write transaction
+            limit = self.quota.max_open_batches
+            if limit is not None:
+                placeholders = ", ".join("?" * len(UNFINISHED))
+                sql = f"SELECT COUNT(*) FROM batches WHERE owner = ? AND status IN ({placeholders})"
+                open_batches = conn.execute(sql, (owner, *UNFINISHED)).fetchone()[0]
+                if open_batches >= limit:
+                    message = f"this key has {open_batches} unfinished batches; the limit is {limit}"
+                    raise QuotaExceeded("max_open_batches", message + " (wait for one to finish or cancel one)")
             conn.execute(
                 f"INSERT INTO batches ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
                 tuple(columns.values()),
@@ -380,13 +408,14 @@ class BatchStore:
             row = conn.execute("SELECT * FROM batches WHERE id = ? AND owner = ?", (batch_id, owner)).fetchone()
         return None if row is None else _batch_from_row(row)
 
-    def unfinished_batches(self) -> list[BatchRecord]:
-        """Every owner's batches the worker has still to finish (status in UNFINISHED), oldest first."""
+    def unfinished_batches(self, owner: str | None = None) -> list[BatchRecord]:
+        """The batches the worker has still to finish (status in UNFINISHED), oldest first: every owner's,
+        or ``owner``'s."""
+        where, params = f"status IN ({', '.join('?' * len(UNFINISHED))})", list(UNFINISHED)
+        if owner is not None:
+            where, params = where + " AND owner = ?", [*params, owner]
         with self._connect() as conn:
-            rows = conn.execute(
-                f"SELECT * FROM batches WHERE status IN ({', '.join('?' * len(UNFINISHED))}) ORDER BY seq",
-                UNFINISHED,
-            ).fetchall()
+            rows = conn.execute(f"SELECT * FROM batches WHERE {where} ORDER BY seq", params).fetchall()
         return [_batch_from_row(row) for row in rows]
 
     def batch_dir(self, batch_id: str) -> Path:
@@ -400,28 +429,40 @@ class BatchStore:
     # -- internals ----------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _connect(self) -> Iterator[sqlite3.Connection]:
-        """A new connection whose statements form one transaction (committed unless an error escapes)."""
+    def _connect(self, immediate: bool = False) -> Iterator[sqlite3.Connection]:
+        """A new connection whose statements form one transaction (committed unless an error escapes);
+        ``immediate`` takes the write lock at once, so what it reads stays true until it commits."""
         conn = sqlite3.connect(self.db_path, timeout=30)
         try:
             conn.row_factory = sqlite3.Row
             conn.execute("PRAGMA synchronous=NORMAL")
             with conn:
+                if immediate:
+                    conn.execute("BEGIN IMMEDIATE")
                 yield conn
         finally:
             conn.close()
 
     def _commit_file(
-        self, owner: str, filename: str, purpose: str, blob: Path, size: int, file_id: str | None = None
+        self,
+        owner: str,
+        filename: str,
+        purpose: str,
+        blob: Path,
+        size: int,
+        file_id: str | None = None,
+        enforce_quota: bool = False,
     ) -> FileRecord:
         """Move a synced blob into ``files/`` under ``file_id`` (default: a new one), then insert its row (the
-        blob goes if that fails)."""
+        blob goes if that fails, or if ``enforce_quota`` and the owner would hold too much)."""
         record = FileRecord(file_id or _new_id("file-"), owner, size, int(time.time()), filename, purpose)
         path = self.files_dir / record.id
         os.replace(blob, path)
         _fsync_dir(self.files_dir)
         try:
-            with self._connect() as conn:
+            with self._connect(immediate=enforce_quota) as conn:  # the quota check and the insert: one step
+                if enforce_quota:
+                    self._check_file_quota(conn, owner, size)
                 conn.execute(
                     f"INSERT INTO files ({', '.join(_FILE_COLUMNS)}) VALUES ({', '.join('?' * len(_FILE_COLUMNS))})",
                     tuple(getattr(record, name) for name in _FILE_COLUMNS),
@@ -430,6 +471,17 @@ class BatchStore:
             path.unlink(missing_ok=True)
             raise
         return record
+
+    def _check_file_quota(self, conn: sqlite3.Connection, owner: str, size: int) -> None:
+        files, stored = conn.execute(
+            "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM files WHERE owner = ?", (owner,)
+        ).fetchone()
+        quota, advice = self.quota, " (delete files to make room)"
+        if quota.max_files is not None and files >= quota.max_files:
+            raise QuotaExceeded("max_files", f"this key holds {files} files; the limit is {quota.max_files}" + advice)
+        if quota.max_bytes is not None and stored + size > quota.max_bytes:
+            message = f"this key holds {stored} bytes and the file has {size}; the limit is {quota.max_bytes} bytes"
+            raise QuotaExceeded("max_bytes", message + advice)
 
     def _sweep_tmp(self) -> None:
         """Remove the tmp blobs of uploads a crash cut short."""
