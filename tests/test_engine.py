@@ -136,6 +136,7 @@ def test_prefix_caching_on_and_off_give_the_same_greedy_output(folder, alone):
 def test_kv_cache_bytes_per_token_is_exact_and_the_pool_matches_the_budget(folder):
     import torch
 
+    from qwenbatch.engine.memory import BLOCK_BOOKKEEPING_BYTES_PER_TOKEN
     from qwenbatch.engine.model_runner import kv_cache_bytes_per_token
 
     llm = LLM(model=folder, dtype="float32", kv_cache_memory=3 * 2**20, block_size=16)
@@ -145,7 +146,7 @@ def test_kv_cache_bytes_per_token_is_exact_and_the_pool_matches_the_budget(folde
     pool_bytes = sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches)
     num_blocks = llm.engine.block_manager.num_blocks
     assert pool_bytes == num_blocks * 16 * per_token
-    assert num_blocks == 3 * 2**20 // (16 * per_token)
+    assert num_blocks == 3 * 2**20 // (16 * (per_token + BLOCK_BOOKKEEPING_BYTES_PER_TOKEN))
 
 
 def test_kv_cache_memory_as_a_fraction_of_available_memory(folder, monkeypatch):

@@ -259,9 +259,11 @@ def test_chunked_prefill_gives_the_same_scores(tiny_reranker, pairs40, alone):
 
 def test_a_small_kv_pool_gives_the_same_scores(tiny_reranker, llm, pairs40, alone):
     """64 blocks (1,024 tokens): pairs wait for room, and sequences get evicted blocks back."""
+    from qwenbatch.engine.memory import BLOCK_BOOKKEEPING_BYTES_PER_TOKEN
     from qwenbatch.engine.model_runner import kv_cache_bytes_per_token
 
-    per_block = kv_cache_bytes_per_token(llm.engine.model_config, torch.float32) * llm.config.block_size
+    per_token = kv_cache_bytes_per_token(llm.engine.model_config, torch.float32) + BLOCK_BOOKKEEPING_BYTES_PER_TOKEN
+    per_block = per_token * llm.config.block_size
     small = reranker(tiny_reranker, kv_cache_memory=64 * per_block)
     assert small.engine.block_manager.num_blocks == 64
     assert_close(small.score(pairs40, SHORT, use_tqdm=False), alone, SAME_TOL)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from qwenbatch import LLM, SamplingParams
+from qwenbatch.engine.memory import BLOCK_BOOKKEEPING_BYTES_PER_TOKEN
 from qwenbatch.engine.model_runner import kv_cache_bytes_per_token
 from qwenbatch.layers.sampler import SamplingRow, sample
 from qwenbatch.models.config import ModelConfig
@@ -409,6 +410,7 @@ def test_min_tokens_delays_eos(eos_checkpoint):
 def llm16(tiny_qwen2):
     # Two KV blocks only, so a later request surely reuses the blocks a failed one left behind.
     per_token = kv_cache_bytes_per_token(ModelConfig.from_folder(tiny_qwen2), torch.float16)
+    per_token += BLOCK_BOOKKEEPING_BYTES_PER_TOKEN
     return LLM(model=str(tiny_qwen2), dtype="float16", kv_cache_memory=2 * 16 * per_token, block_size=16)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from qwenbatch.engine.sequence import Sequence
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Block:
     block_id: int
     ref_count: int = 0

@@ -12,7 +12,7 @@ import torch
 
 from qwenbatch.config import EngineConfig
 from qwenbatch.engine.block_manager import BlockManager
-from qwenbatch.engine.memory import gpu_kv_cache_budget, kv_cache_budget
+from qwenbatch.engine.memory import gpu_kv_cache_budget, kv_cache_budget, num_kv_blocks
 from qwenbatch.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
 from qwenbatch.engine.request import EngineRequest
 from qwenbatch.engine.scheduler import Scheduler
@@ -68,7 +68,7 @@ class LLMEngine:
         )
         per_token = kv_cache_bytes_per_token(loaded.config, self.dtype)
         kv_bytes = self._kv_cache_bytes()
-        num_blocks = kv_bytes // (per_token * config.block_size)
+        num_blocks = num_kv_blocks(kv_bytes, per_token, config.block_size, on_host=device.type == "cpu")
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory={kv_bytes} bytes holds no block of {config.block_size} tokens "

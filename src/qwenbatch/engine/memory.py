@@ -8,6 +8,16 @@ import psutil
 import torch
 
 DEFAULT_KV_CACHE_CAP = 4 * 2**30  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE)
+# Host memory a block's bookkeeping takes, per token slot, once it holds a cached prefix: the Block, its tuple
+# of token ids and their int objects, its entries in the block manager's hash map and free queue.
+BLOCK_BOOKKEEPING_BYTES_PER_TOKEN = 64
+
+
+def num_kv_blocks(budget: int, kv_bytes_per_token: int, block_size: int, on_host: bool) -> int:
+    """How many blocks of ``block_size`` tokens ``budget`` bytes hold: their K/V and, for a pool in host
+    memory, their bookkeeping too, which bounds the RSS of a tiny model's many small blocks."""
+    per_token = kv_bytes_per_token + (BLOCK_BOOKKEEPING_BYTES_PER_TOKEN if on_host else 0)
+    return budget // (per_token * block_size)
 
 
 def kv_cache_budget(setting: int | float | None) -> int:
