@@ -314,3 +314,12 @@ def test_stats_nobody_takes_stay_bounded_and_the_counts_stay_exact(tiny_qwen3, m
     assert stats.num_generation_tokens == 160 and stats.num_prompt_tokens == 120
     for samples in (stats.time_to_first_token, stats.inter_token_latency, stats.finished, stats.finished_reasons):
         assert len(samples) == 20
+
+
+def test_kv_cache_memory_takes_the_clis_text_in_the_python_api_too():
+    from qwenbatch.config import EngineConfig
+
+    assert EngineConfig(kv_cache_memory="64MiB").kv_cache_memory == 64 * 2**20
+    assert EngineConfig(kv_cache_memory="0.25").kv_cache_memory == 0.25
+    with pytest.raises(ValueError, match="as a size in bytes"):
+        EngineConfig(kv_cache_memory="lots")

@@ -86,9 +86,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     enable_prefix_caching: bool = True
-    # Bytes, or a fraction (0, 1) of the memory available after loading the weights.
-    # Default: 4 GiB, at most a quarter of available memory.
-    kv_cache_memory: int | float | None = None
+    # Bytes (an int, or text such as "4GiB"), or a fraction (0, 1) of the memory available after loading the
+    # weights. Default: 4 GiB, at most a quarter of available memory.
+    kv_cache_memory: int | float | str | None = None
     seed: int = 0
     # "rerank": score query-document pairs (Qwen3-Reranker); "auto": rerank when the model's name says so.
     task: str = "auto"
@@ -118,6 +118,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if isinstance(self.kv_cache_memory, str):
+            self.kv_cache_memory = parse_kv_cache_memory(self.kv_cache_memory)
         kv = self.kv_cache_memory
         if kv is not None and (kv <= 0 or (isinstance(kv, float) and kv >= 1)):
             raise ValueError(f"kv_cache_memory must be a byte count or a fraction in (0, 1), got {kv!r}")
