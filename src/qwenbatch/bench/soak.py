@@ -48,6 +48,7 @@ class SoakReport:
     kv_cache_usage: float | None = None  # 0 when every block is free
     rss_start_bytes: float | None = None
     rss_end_bytes: float | None = None
+    kv_cache_bytes: float | None = None  # the KV pool, preallocated but touched page by page as it fills
 
     @property
     def clean(self) -> bool:
@@ -88,6 +89,7 @@ async def run_soak(url: str, config: SoakConfig) -> SoakReport:
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120.0, limits=limits) as client:
         model = config.model or (await client.get("/v1/models")).json()["data"][0]["id"]
         report.rss_start_bytes = await _metric(client, "process_resident_memory_bytes")
+        report.kv_cache_bytes = await _metric(client, "kv_cache_bytes")
         plans = [_plan(rng, config, model, i) for i in range(config.requests)]
         slots = asyncio.Semaphore(config.concurrency)
 
