@@ -109,3 +109,25 @@ def test_a_sender_cancelled_while_waiting_leaves_the_queue():
 def test_capacity_must_be_positive():
     with pytest.raises(ValueError, match="capacity"):
         FairShare(0)
+
+
+def test_a_sender_behind_cancelled_ones_takes_a_free_slot_at_once():
+    async def scenario():
+        share, holding, release = FairShare(2), [], asyncio.Event()
+        share.join("a")
+        mine, other = share.slot("a"), share.slot("a")
+        await mine.__aenter__()
+        await other.__aenter__()  # both slots held
+        stale = asyncio.create_task(hold(share, "a", release, holding))
+        await settle()  # queued
+        stale.cancel()  # its future is cancelled, but it has not run its handler yet
+        await mine.__aexit__(None, None, None)  # a slot is free; the queue holds only the cancelled sender
+        fresh = asyncio.create_task(hold(share, "a", release, holding))
+        await settle()
+        assert holding == ["a"] and stale.cancelled()
+        release.set()
+        await fresh
+        await other.__aexit__(None, None, None)
+        assert share.held("a") == 0
+
+    asyncio.run(scenario())

@@ -33,6 +33,7 @@ class FairShare:
         return max(1, self.capacity // max(1, len(self._joined)))
 
     def held(self, owner: str) -> int:
+        """How many slots ``owner`` holds now."""
         return self._held.get(owner, 0)
 
     def join(self, owner: str) -> None:
