@@ -17,6 +17,7 @@ import uvicorn
 from qwenbatch.config import EngineConfig
 from qwenbatch.engine.llm_engine import LLMEngine
 from qwenbatch.server.app import ServerSettings, build_app
+from qwenbatch.server.http_server import server_config
 
 
 def free_port() -> int:
@@ -38,7 +39,9 @@ class RunningServer:
         self.app = build_app(settings, config, engine_factory)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(
+            server_config(self.app, settings, host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.wait_healthy = wait_healthy
 

@@ -14,6 +14,7 @@ Waits poll with a generous deadline (the machine may be busy); nothing asserts h
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import random
 import signal
@@ -963,6 +964,32 @@ def test_a_request_is_admitted_by_all_its_sequences_not_one(tiny_qwen3):
         assert response.status_code == 200 and len(response.json()["choices"]) == 6, response.text
 
 
+def test_concurrent_requests_cannot_together_pass_the_waiting_bound(tiny_qwen3, monkeypatch):
+    settings = ServerSettings(served_model_names=[MODEL], max_waiting_seqs=8)
+    with RunningServer(settings, engine_config(tiny_qwen3, max_num_seqs=1)) as server:
+        # Two requests of 6 sequences each fit the empty queue alone; both are held mid-tokenizing until
+        # both passed the first check, so only the step that queues them can see they do not fit together.
+        both_tokenizing = threading.Barrier(2, timeout=30)
+        make_request = server.engine.make_request
+
+        def held(request_id, *args, **kwargs):
+            if request_id.endswith("-0"):
+                both_tokenizing.wait()
+            return make_request(request_id, *args, **kwargs)
+
+        monkeypatch.setattr(server.engine, "make_request", held)
+        body = {"model": MODEL, "prompt": [[5, 6, 7]] * 6, "max_tokens": 32, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            posts = [pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=60) for _ in "ab"]
+            responses = [p.result() for p in posts]
+        assert sorted(r.status_code for r in responses) == [200, 503], [r.text for r in responses]
+        refused = next(r for r in responses if r.status_code == 503)
+        assert refused.headers["retry-after"] and "retry later" in refused.json()["error"]["message"]
+        assert len(next(r for r in responses if r.status_code == 200).json()["choices"]) == 6
+        monkeypatch.undo()
+        assert_serving(server.url)
+
+
 def _raw_exchange(url: str, head: bytes, body: bytes, read_timeout: float = 10.0) -> tuple[bytes, float]:
     """Send ``head`` and then ``body`` over a raw connection, and stall; the reply and seconds until its
     first byte came."""
@@ -992,6 +1019,56 @@ def test_a_trickling_body_is_408_after_the_request_timeout(tiny_qwen3, tmp_path,
         assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
         assert b"request_timeout" in reply and waited < 5
         assert_serving(server.url)
+
+
+def _trickle_headers(url: str, pieces: list[bytes], gap_s: float) -> tuple[bytes, float]:
+    """Send ``pieces`` ``gap_s`` apart over a raw connection (stopping if the server closes it); the reply
+    and the seconds until the connection ended."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        start = time.monotonic()
+        with suppress(OSError):
+            for piece in pieces:
+                s.sendall(piece)
+                time.sleep(gap_s)
+        reply = b""
+        with suppress(OSError):
+            while chunk := s.recv(65536):
+                reply += chunk
+        return reply, time.monotonic() - start
+
+
+def test_headers_trickled_or_never_sent_are_408_after_the_request_timeout(tiny_qwen3, tmp_path):
+    settings = ServerSettings(served_model_names=[MODEL], request_timeout_s=0.5, data_dir=tmp_path / "data")
+    with RunningServer(settings, engine_config(tiny_qwen3)) as server:
+        # One header line every 0.2 s, forever: without a deadline this holds its connection for 40 s.
+        pieces = [b"GET /health HTTP/1.1\r\nHost: x\r\n"] + [b"X-Slow-%d: 1\r\n" % i for i in range(200)]
+        reply, took = _trickle_headers(server.url, pieces, gap_s=0.2)
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+        assert took < 5
+        reply, took = _trickle_headers(server.url, [], gap_s=0)  # connects and says nothing
+        assert reply.startswith(b"HTTP/1.1 408") and took < 5
+        assert_serving(server.url)
+
+
+def test_the_header_deadline_spares_idle_keep_alive_connections_and_slow_answers(tiny_qwen3, tmp_path):
+    settings = ServerSettings(served_model_names=[MODEL], request_timeout_s=0.3, data_dir=tmp_path / "data")
+    with RunningServer(settings, engine_config(tiny_qwen3)) as server, httpx.Client(base_url=server.url) as client:
+        assert client.get("/health").status_code == 200
+        time.sleep(1.0)  # idle past the deadline, within uvicorn's 5 s keep-alive
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 64, "temperature": 0, "stream": True}
+        start = time.monotonic()
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            chunks = []
+            for line in response.iter_lines():
+                chunks.append(line)
+                time.sleep(0.02)  # a slow reader: the answer takes longer than the deadline
+        assert response.status_code == 200 and "data: [DONE]" in chunks
+        assert time.monotonic() - start > 0.3
+        assert client.get("/health").status_code == 200
 
 
 @pytest.mark.parametrize("client", ["httpx", "urllib"])

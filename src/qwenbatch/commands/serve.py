@@ -99,7 +99,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--request-timeout",
         type=float,
         default=float(env("QWENBATCH_REQUEST_TIMEOUT", "60")),
-        help="seconds a request body may take to arrive (an upload: the longest stall between chunks); 408 after",
+        help="seconds a request's headers, and then its body, may take to arrive (an upload: the longest stall "
+        "between chunks); 408 after",
     )
     serve.add_argument(
         "--max-connections",
@@ -125,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from qwenbatch.server.app import ServerSettings, build_app
+        from qwenbatch.server.http_server import server_config
     except ImportError as e:
         raise ValueError(f"the server needs the server extra: pip install 'qwenbatch[server]' ({e})") from e
 
@@ -158,8 +160,9 @@ def run(args: argparse.Namespace) -> int:
     )
     app = build_app(settings, config)
     server = uvicorn.Server(
-        uvicorn.Config(
+        server_config(
             app,
+            settings,
             host=args.host,
             port=args.port,
             timeout_graceful_shutdown=args.shutdown_timeout,

@@ -73,7 +73,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._num_waiting = 0  # sequences waiting in the engine after the last step
-        self._num_submitted = 0  # sequences handed to the thread but not yet queued in the engine
+        self._num_submitted = 0  # sequences handed to the thread and not yet in the published num_waiting
+        self._num_added = 0  # of those, the ones the thread has added since it last published stats
         self._count_lock = threading.Lock()
 
     # -- life cycle -------------------------------------------------------------------------------
@@ -119,28 +120,38 @@ class AsyncEngine:
             raise ValueError(
                 f"the request makes {num_seqs} sequences (prompts x n); at most {self.max_waiting_seqs} can wait"
             )
-        waiting = self._num_waiting + self._num_submitted
+        with self._count_lock:
+            waiting = self._num_waiting + self._num_submitted
         if waiting + num_seqs > self.max_waiting_seqs:
             raise QueueFullError(
                 f"{waiting} sequences are waiting and this request adds {num_seqs} (the bound is "
                 f"{self.max_waiting_seqs}); retry later"
             )
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Queue ``request`` and yield its outputs: deltas if it streams, else one final output.
+    def open_streams(self, requests: list[EngineRequest]) -> list[AsyncIterator[RequestOutput]]:
+        """Queue ``requests`` together, or none of them, and return one output stream for each: deltas if
+        it streams, else one final output.
 
-        Stopping iteration early (the client went away) aborts the request and frees its blocks.
-        Ends without a finished output if the request is aborted by ``abort``.
+        The capacity check and the queueing are one step on the event loop, so concurrent callers that
+        each passed ``check_capacity`` before tokenizing cannot together pass the waiting queue's bound:
+        QueueFullError (or ValueError, as ``check_capacity``) when the queue has no room for all their
+        sequences now. Stopping a stream early (the client went away) aborts its request and frees its
+        blocks; a stream ends without a finished output if its request is aborted by ``abort``.
         """
-        self.ready_engine()
-        request_id = request.request_id
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already running")
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
+        num_seqs = sum(len(r.seqs) for r in requests)
+        self.check_capacity(num_seqs)
+        ids = [r.request_id for r in requests]
+        for request_id in ids:
+            if request_id in self._streams or ids.count(request_id) > 1:
+                raise ValueError(f"request_id {request_id!r} is already running")
+        queues = [asyncio.Queue() for _ in requests]
+        self._streams.update(zip(ids, queues, strict=True))
         with self._count_lock:
-            self._num_submitted += len(request.seqs)
-        self._submit(lambda: self._add(request))
+            self._num_submitted += num_seqs
+        self._submit(lambda: self._add_all(requests))
+        return [self._read(request_id, stream) for request_id, stream in zip(ids, queues, strict=True)]
+
+    async def _read(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
@@ -154,7 +165,8 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
             if not finished:
                 self._submit(lambda: self.engine.abort(request_id))
 
@@ -185,15 +197,16 @@ class AsyncEngine:
         self._commands.put(command)
         self._wakeup.set()
 
-    def _add(self, request: EngineRequest) -> None:
-        with self._count_lock:
-            self._num_submitted -= len(request.seqs)
-        if request.request_id not in self._streams:
-            return  # aborted before it reached the engine
-        try:
-            self.engine.add(request)
-        except ValueError as e:
-            self._deliver([(request.request_id, e)])
+    def _add_all(self, requests: list[EngineRequest]) -> None:
+        with self._count_lock:  # counted as submitted until the next published stats count them as waiting
+            self._num_added += sum(len(r.seqs) for r in requests)
+        for request in requests:
+            if request.request_id not in self._streams:
+                continue  # aborted before it reached the engine
+            try:
+                self.engine.add(request)
+            except ValueError as e:
+                self._deliver([(request.request_id, e)])
 
     def _run(self) -> None:
         try:
@@ -242,7 +255,10 @@ class AsyncEngine:
 
     def _publish_stats(self) -> None:
         scheduler_stats = self.engine.scheduler_stats()
-        self._num_waiting = scheduler_stats.num_waiting
+        with self._count_lock:
+            self._num_waiting = scheduler_stats.num_waiting
+            self._num_submitted -= self._num_added
+            self._num_added = 0
         iteration = self.engine.take_iteration_stats()
         if self._on_stats is not None:
             self._on_stats(iteration, scheduler_stats)
@@ -255,6 +271,8 @@ class AsyncEngine:
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.put_nowait(item)
+                if isinstance(item, BaseException) or item.finished:
+                    del self._streams[request_id]  # its last item: a stream nobody reads leaves nothing behind
 
     def _die(self, error: BaseException, what: str) -> None:
         # A bad --model or a missing file is a one-line error; anything else keeps its traceback.

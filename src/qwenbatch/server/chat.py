@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from qwenbatch.engine.async_engine import EngineNotReadyError
 from qwenbatch.engine.request import EngineRequest
-from qwenbatch.outputs import CompletionOutput
+from qwenbatch.outputs import CompletionOutput, RequestOutput
 from qwenbatch.server.common import (
     SSE_DONE,
     APIError,
@@ -88,8 +88,11 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
     )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(ctx, raw, request, view, include_usage), media_type="text/event-stream")
-    [output] = await collect([ctx.engine.generate(request)], raw)
+        [stream] = ctx.open_streams([request])
+        return StreamingResponse(
+            _stream(ctx, raw, request, stream, view, include_usage), media_type="text/event-stream"
+        )
+    [output] = await collect(ctx.open_streams([request]), raw)
     choices = [view.choice(c) for c in output.outputs]
     totals = usage(output.num_prompt_tokens, output.num_output_tokens)
     response = ChatCompletion(id=request_id, created=view.created, model=view.model, choices=choices, usage=totals)
@@ -172,7 +175,12 @@ class _ChatView:
 
 
 async def _stream(
-    ctx: ServerContext, raw: Request, request: EngineRequest, view: _ChatView, include_usage: bool
+    ctx: ServerContext,
+    raw: Request,
+    request: EngineRequest,
+    outputs: AsyncIterator[RequestOutput],
+    view: _ChatView,
+    include_usage: bool,
 ) -> AsyncIterator[bytes]:
     watcher = abort_on_disconnect(raw, ctx.engine, [request.request_id])
     num_output = 0
@@ -181,7 +189,7 @@ async def _stream(
             ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(len(request.seqs))
         ]
         yield sse(view.chunk(roles))
-        async for output in ctx.engine.generate(request):
+        async for output in outputs:
             num_output += sum(len(c.token_ids) for c in output.outputs)
             choices = [choice for c in output.outputs if (choice := view.delta_choice(c)) is not None]
             if choices:

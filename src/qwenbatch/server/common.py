@@ -105,6 +105,16 @@ class ServerContext:
         except ValueError as e:
             raise APIError(400, str(e), param=param) from e
 
+    def open_streams(self, requests: list[EngineRequest]) -> list[AsyncIterator[RequestOutput]]:
+        """Queue one API request's engine requests, all or none: 503 if the queue has no room for them
+        now (other requests took it while these were tokenized), 400 if they can never fit."""
+        try:
+            return self.engine.open_streams(requests)
+        except (EngineNotReadyError, QueueFullError) as e:
+            raise unavailable(str(e)) from e
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]

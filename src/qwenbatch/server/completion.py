@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from qwenbatch.engine.async_engine import EngineNotReadyError
 from qwenbatch.engine.llm_engine import LLMEngine
 from qwenbatch.engine.request import EngineRequest
-from qwenbatch.outputs import CompletionOutput
+from qwenbatch.outputs import CompletionOutput, RequestOutput
 from qwenbatch.server.common import (
     SSE_DONE,
     APIError,
@@ -65,8 +65,11 @@ async def create_completion(body: CompletionRequest, raw: Request):
     view = _CompletionView(base_id, ctx.model_name, engine, body.n, body.echo, body.logprobs)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(ctx, raw, requests, view, include_usage), media_type="text/event-stream")
-    outputs = await collect([ctx.engine.generate(r) for r in requests], raw)
+        streams = ctx.open_streams(requests)
+        return StreamingResponse(
+            _stream(ctx, raw, requests, streams, view, include_usage), media_type="text/event-stream"
+        )
+    outputs = await collect(ctx.open_streams(requests), raw)
     choices = [
         view.choice(i, r, c) for i, (r, out) in enumerate(zip(requests, outputs, strict=True)) for c in out.outputs
     ]
@@ -127,13 +130,18 @@ class _CompletionView:
 
 
 async def _stream(
-    ctx: ServerContext, raw: Request, requests: list[EngineRequest], view: _CompletionView, include_usage: bool
+    ctx: ServerContext,
+    raw: Request,
+    requests: list[EngineRequest],
+    streams: list[AsyncIterator[RequestOutput]],
+    view: _CompletionView,
+    include_usage: bool,
 ) -> AsyncIterator[bytes]:
     watcher = abort_on_disconnect(raw, ctx.engine, [r.request_id for r in requests])
     started: set[int] = set()
     num_output = 0
     try:
-        async for i, output in merge([ctx.engine.generate(r) for r in requests]):
+        async for i, output in merge(streams):
             choices = []
             for c in output.outputs:
                 index = i * view.n + c.index

@@ -50,7 +50,7 @@ async def rerank(body: RerankRequest, raw: Request):
     requests, truncated = await run_in_threadpool(
         _score_requests, engine, base_id, pairs, body.instruction, allowed_priority(raw, body.priority)
     )
-    outputs = await collect([ctx.engine.generate(r) for r in requests], raw)
+    outputs = await collect(ctx.open_streams(requests), raw)
     order = sorted(range(len(outputs)), key=lambda i: -outputs[i].score)
     if body.top_n is not None:
         order = order[: body.top_n]
@@ -85,7 +85,7 @@ async def score(body: ScoreRequest, raw: Request):
     requests, _ = await run_in_threadpool(
         _score_requests, engine, base_id, pairs, body.instruction, allowed_priority(raw, body.priority)
     )
-    outputs = await collect([ctx.engine.generate(r) for r in requests], raw)
+    outputs = await collect(ctx.open_streams(requests), raw)
     data = [{"index": i, "object": "score", "score": out.score} for i, out in enumerate(outputs)]
     total = sum(len(r.prompt_token_ids) for r in requests)
     usage = {"prompt_tokens": total, "total_tokens": total}
