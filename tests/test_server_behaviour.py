@@ -1057,8 +1057,14 @@ def test_headers_trickled_or_never_sent_are_408_after_the_request_timeout(tiny_q
 def test_the_header_deadline_spares_idle_keep_alive_connections_and_slow_answers(tiny_qwen3, tmp_path):
     settings = ServerSettings(served_model_names=[MODEL], request_timeout_s=0.3, data_dir=tmp_path / "data")
     with RunningServer(settings, engine_config(tiny_qwen3)) as server, httpx.Client(base_url=server.url) as client:
-        assert client.get("/health").status_code == 200
-        time.sleep(1.0)  # idle past the deadline, within uvicorn's 5 s keep-alive
+        import socket
+
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:  # one connection, two requests
+            for _ in range(2):
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert s.recv(65536).startswith(b"HTTP/1.1 200"), "the kept-alive connection was not served"
+                time.sleep(1.0)  # idle past the deadline, within uvicorn's 5 s keep-alive
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 64, "temperature": 0, "stream": True}
         start = time.monotonic()
         with client.stream("POST", "/v1/completions", json=body) as response:

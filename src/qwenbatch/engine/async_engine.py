@@ -141,9 +141,9 @@ class AsyncEngine:
         num_seqs = sum(len(r.seqs) for r in requests)
         self.check_capacity(num_seqs)
         ids = [r.request_id for r in requests]
-        for request_id in ids:
-            if request_id in self._streams or ids.count(request_id) > 1:
-                raise ValueError(f"request_id {request_id!r} is already running")
+        if len(set(ids)) < len(ids) or not self._streams.keys().isdisjoint(ids):
+            clash = next(i for i in ids if i in self._streams or ids.count(i) > 1)  # only on this error path
+            raise ValueError(f"request_id {clash!r} is already running")
         queues = [asyncio.Queue() for _ in requests]
         self._streams.update(zip(ids, queues, strict=True))
         with self._count_lock:

@@ -12,23 +12,17 @@ streamed answer is never cut.
 from __future__ import annotations
 
 import asyncio
-import json
 
+import orjson
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from qwenbatch.server.app import ServerSettings
+from qwenbatch.server.common import APIError
 
-_TIMEOUT_BODY = json.dumps(
-    {
-        "error": {
-            "message": "the request's headers did not arrive in time (--request-timeout)",
-            "type": "invalid_request_error",
-            "param": None,
-            "code": "request_timeout",
-        }
-    }
-).encode()
+_TIMEOUT_BODY = orjson.dumps(
+    APIError(408, "the request's headers did not arrive in time (--request-timeout)", code="request_timeout").body()
+)
 _TIMEOUT_RESPONSE = (
     b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
     b"content-length: " + str(len(_TIMEOUT_BODY)).encode() + b"\r\n\r\n" + _TIMEOUT_BODY
