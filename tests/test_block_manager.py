@@ -74,17 +74,78 @@ def test_freed_blocks_keep_their_hash_until_evicted_lru_first():
     a = make_seq(0, list(range(9)))  # blocks 0, 1 full; 2 partial
     admit(bm, a)
     bm.free(a)
-    assert list(bm.free_queue) == [3, 2, 1, 0]
-    # Same prefix again: blocks 0 and 1 come back from the free queue.
+    # The partial tail to the front, the never-used 3, then the cached blocks tail first.
+    assert list(bm.free_queue) == [2, 3, 1, 0]
+    # Same prefix again: blocks 0 and 1 come back from the free queue; the tail reuses block 2.
     a2 = make_seq(1, list(range(9)))
     assert admit(bm, a2) == 8
-    assert a2.block_table == [0, 1, 3]
+    assert a2.block_table == [0, 1, 2]
     bm.free(a2)
-    # A different prompt needing 3 blocks evicts from the front: 2 (stale partial), then 3, then 1.
+    # A different prompt needing 3 blocks evicts from the front: 2 (partial), then 3, then 1.
     c = make_seq(2, list(range(100, 112)))
     assert admit(bm, c) == 0
     assert c.block_table == [2, 3, 1]
     assert bm.num_cached_tokens(make_seq(3, list(range(9)))) == 4  # block 0 survives; block 1 was evicted
+
+
+def test_eviction_order_partial_tails_first_newest_first_then_cached_blocks_lru_tail_first():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = make_seq(0, list(range(6)))  # block 0 full, 1 partial
+    b = make_seq(1, list(range(100, 106)))  # block 2 full, 3 partial
+    admit(bm, a)
+    admit(bm, b)
+    bm.free(a)
+    bm.free(b)
+    # Partial tails at the front, the last freed first; never-used blocks; cached blocks, least recently freed first.
+    assert list(bm.free_queue) == [3, 1, 4, 5, 6, 7, 0, 2]
+    everything = make_seq(2, list(range(200, 232)))  # 8 blocks: the whole pool
+    assert admit(bm, everything) == 0
+    assert everything.block_table == [3, 1, 4, 5, 6, 7, 0, 2]
+
+
+def test_a_multi_block_prefix_is_evicted_from_its_tail_and_its_head_stays_a_hit():
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    prompt = list(range(13))  # blocks 0, 1, 2 full; 3 partial
+    a = make_seq(0, prompt)
+    admit(bm, a)
+    bm.free(a)
+    assert list(bm.free_queue) == [3, 4, 5, 2, 1, 0]
+    other = make_seq(1, list(range(100, 116)))  # 4 blocks: the partial tail, the unused ones, then prefix block 2
+    admit(bm, other)
+    assert other.block_table == [3, 4, 5, 2]
+    bm.free(other)
+    again = make_seq(2, prompt)
+    assert admit(bm, again) == 8  # blocks 0 and 1 still hit; block 2 was evicted
+    assert again.block_table[:2] == [0, 1]
+
+
+def test_a_shared_prefix_block_is_queued_only_when_its_last_holder_frees_it():
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    prefix = list(range(8))
+    a, b = make_seq(0, [*prefix, 50]), make_seq(1, [*prefix, 60])
+    admit(bm, a)
+    admit(bm, b)
+    assert (a.block_table, b.block_table) == ([0, 1, 2], [0, 1, 3])
+    bm.free(a)
+    assert list(bm.free_queue) == [2, 4, 5]  # only a's own partial tail
+    bm.free(b)
+    assert list(bm.free_queue) == [3, 2, 4, 5, 1, 0]
+    c = make_seq(2, [*prefix, 70])
+    assert admit(bm, c) == 8
+    assert c.block_table == [0, 1, 3]
+
+
+def test_a_full_block_whose_hash_another_block_holds_is_reused_first(monkeypatch):
+    import qwenbatch.engine.block_manager as bm_module
+
+    monkeypatch.setattr(bm_module, "chain_hash", lambda parent, tokens: 42)
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    admit(bm, make_seq(0, [1, 2, 3, 4, 5]))  # block 0 holds hash 42
+    other = make_seq(1, [9, 9, 9, 9, 5])
+    admit(bm, other)
+    assert other.block_table == [2, 3]  # block 2 is full, but no lookup can find it
+    bm.free(other)
+    assert list(bm.free_queue) == [3, 2, 4, 5]
 
 
 def test_a_hash_collision_is_caught_by_the_token_check(monkeypatch):

@@ -1,9 +1,17 @@
 """KV-cache blocks with automatic prefix caching. Pure Python, no torch.
 
 A full block is identified by a hash chaining its parent's hash and its own token ids, so equal
-prefixes map to equal hash chains. Blocks whose reference count drops to zero go to the back of
-an LRU free queue but keep their hash and contents: a later request with the same prefix takes
-them back (a hit) until they are handed out as fresh blocks (evicted, front of the queue first).
+prefixes map to equal hash chains. New blocks are handed out from the front of one free queue.
+Freed blocks keep their hash and contents: a later request with the same prefix takes them back
+(a hit) until they are handed out as fresh blocks (evicted). The queue's order is vLLM v1's:
+
+- a sequence's blocks are freed tail first, so the end of a prefix is evicted before its head;
+- a freed block no lookup can find goes to the front, to be reused before any cached block: a
+  partial tail (vLLM: a block without a hash), or a full block whose hash another block already
+  holds (here ``cached`` maps a hash to one block, so such a duplicate can never be hit);
+- a freed cached block goes to the back (least recently freed is evicted first).
+
+With prefix caching off every freed block goes to the back, tail first.
 A hit is verified against the stored token ids, so a hash collision can never serve wrong K/V.
 """
 
@@ -134,11 +142,19 @@ class BlockManager:
         seq.num_registered_blocks = max(seq.num_registered_blocks, len(hashes))
 
     def free(self, seq: Sequence) -> None:
-        """Release ``seq``'s blocks; tail blocks first, so they are the first to be evicted later."""
+        """Release ``seq``'s blocks in the free queue's order (module docstring): tail blocks first;
+        blocks that cannot be hit to the front, in that order; cached blocks to the back."""
+        uncached: list[int] = []
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
+            if block.ref_count > 0:
+                continue
+            self.free_queue[block_id] = None
+            hittable = block.block_hash is not None and self.cached.get(block.block_hash) == block_id
+            if self.enable_prefix_caching and not hittable:
+                uncached.append(block_id)
+        for block_id in reversed(uncached):
+            self.free_queue.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.num_registered_blocks = 0
