@@ -1,15 +1,14 @@
-"""EngineConfig: every engine setting in one validated dataclass (CLI flags and QWENBATCH_* env)."""
+"""EngineConfig: every engine setting in one validated dataclass (filled from flags, file and env by settings)."""
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
-import re
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
+
+from qwenbatch.settings import FLOAT, Form, parse_bytes, read_as
 
 logger = logging.getLogger(__name__)
 
@@ -44,26 +43,7 @@ def parse_kv_cache_memory(text: str) -> int | float:
     return value if 0 < value < 1 else parse_bytes(text)
 
 
-def parse_bytes(text: str | int) -> int:
-    """'4GiB', '512MB', '1e9' or an int -> bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B?|B)?\s*", text)
-    if not m:
-        raise ValueError(f"cannot read {text!r} as a size in bytes (e.g. 4GiB, 512MB)")
-    unit = (m.group(2) or "B").upper().rstrip("B") or "B"
-    scale = {
-        "B": 1,
-        "K": 10**3,
-        "M": 10**6,
-        "G": 10**9,
-        "T": 10**12,
-        "KI": 2**10,
-        "MI": 2**20,
-        "GI": 2**30,
-        "TI": 2**40,
-    }[unit]
-    return int(float(m.group(1)) * scale)
+KV_CACHE_MEMORY = Form(parse_kv_cache_memory, "a size in bytes such as 4GiB, or a fraction in (0, 1)", FLOAT.accepts)
 
 
 @dataclass
@@ -88,7 +68,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Bytes (an int, or text such as "4GiB"), or a fraction (0, 1) of the memory available after loading the
     # weights. Default: 4 GiB, at most a quarter of available memory.
-    kv_cache_memory: int | float | str | None = None
+    kv_cache_memory: int | float | str | None = field(default=None, metadata=read_as(KV_CACHE_MEMORY))
     seed: int = 0
     # "rerank": score query-document pairs (Qwen3-Reranker); "auto": rerank when the model's name says so.
     task: str = "auto"
@@ -159,48 +139,3 @@ class EngineConfig:
         if self.dtype != "float32" and not cpu_has_native_bf16():
             logger.warning("%s on a CPU without AVX512-BF16/AMX is several times slower than float32", self.dtype)
         return DTYPES[self.dtype]
-
-    @classmethod
-    def from_env(cls, **overrides) -> EngineConfig:
-        """Defaults, then ``QWENBATCH_<FIELD>`` environment variables, then explicit overrides."""
-        values = {}
-        for f in fields(cls):
-            raw = os.environ.get(f"QWENBATCH_{f.name.upper()}")
-            if raw is None:
-                continue
-            if f.name == "kv_cache_memory":
-                values[f.name] = parse_kv_cache_memory(raw)
-            elif f.type == "bool":
-                values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-            elif f.type in ("int", "int | None"):
-                values[f.name] = int(raw)
-            elif f.type == "float":
-                values[f.name] = float(raw)
-            else:
-                values[f.name] = raw
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
-
-
-def read_config_file(path: Path) -> dict:
-    """The ``[engine]`` table of a qwenbatch.toml as EngineConfig values; ValueError naming a bad key or value."""
-    import tomllib
-
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--config {path}: no such file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"--config {path}: not valid TOML ({e})") from None
-    unknown_tables = set(data) - {"engine"}
-    if unknown_tables:
-        raise ValueError(f"--config {path}: unknown table(s) {', '.join(sorted(unknown_tables))} (expected [engine])")
-    engine = data.get("engine", {})
-    known = {f.name for f in fields(EngineConfig)}
-    for key in engine:
-        if key not in known:
-            raise ValueError(f"--config {path}: unknown engine setting {key!r} (known: {', '.join(sorted(known))})")
-    if isinstance(engine.get("kv_cache_memory"), str):
-        engine["kv_cache_memory"] = parse_kv_cache_memory(engine["kv_cache_memory"])
-    return engine

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
 from pathlib import Path
 
-from qwenbatch.config import EngineConfig, parse_kv_cache_memory, read_config_file
+from qwenbatch.config import EngineConfig, parse_kv_cache_memory
+from qwenbatch.settings import resolve
 
 
 def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> None:
@@ -17,7 +17,8 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
         "--config",
         type=Path,
         default=None,
-        help="a qwenbatch.toml (as qwenbatch tune writes): its [engine] settings, under any flag given",
+        help="a qwenbatch.toml (as qwenbatch tune writes): its [engine] table, and for serve its [server] table; "
+        "flags win over it, it over QWENBATCH_* environment variables",
     )
     g.add_argument(
         "--model",
@@ -92,11 +93,10 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from flags, then the ``--config`` file, then QWENBATCH_* environment variables, then defaults.
+    """EngineConfig from flags, then the ``--config`` file's [engine], then QWENBATCH_* environment variables, then
+    defaults; ValueError naming a bad variable, key or value.
 
     Every EngineConfig field that has a flag of the same name is taken from it, so a new field
     needs only its flag.
     """
-    flags = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if getattr(args, f.name, None) is not None}
-    from_file = read_config_file(args.config) if getattr(args, "config", None) else {}
-    return EngineConfig.from_env(**{**from_file, **flags})
+    return resolve(EngineConfig, vars(args), args.config, "engine")

@@ -3,13 +3,57 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from qwenbatch.commands.engine_args import add_engine_args, engine_config_from_args
-from qwenbatch.config import parse_bytes
 from qwenbatch.loader.default_model import DEFAULT_MODEL_NAME
+from qwenbatch.settings import BYTES, WORDS, parse_bytes, read_as, resolve
+
+
+@dataclass
+class ServeOptions:
+    """The serve flags' values, named as the flags; each from its flag, the [server] table of --config,
+    ``QWENBATCH_<NAME>`` or the default here. None leaves the setting to ServerSettings' default."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: list[str] = field(default_factory=list)  # QWENBATCH_API_KEY: comma-separated
+    api_key_file: Path | None = None
+    admin_api_key: str | None = None
+    served_model_name: list[str] = field(default_factory=list, metadata=read_as(WORDS))
+    max_waiting_seqs: int | None = None
+    max_request_body: int | None = field(default=None, metadata=read_as(BYTES))
+    data_dir: Path | None = None
+    max_file_bytes: int | None = field(default=None, metadata=read_as(BYTES))
+    max_batch_requests: int | None = None
+    max_files_per_key: int | None = None
+    max_storage_per_key: int | None = field(default=None, metadata=read_as(BYTES))
+    max_open_batches_per_key: int | None = None
+    request_timeout: float | None = None
+    max_connections: int = 1024
+    shutdown_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+
+
+# The options ServerSettings takes, under its own names.
+SERVER_SETTINGS_NAMES = {
+    "admin_api_key": "admin_api_key",
+    "max_waiting_seqs": "max_waiting_seqs",
+    "max_request_body": "max_body_bytes",
+    "data_dir": "data_dir",
+    "max_file_bytes": "max_file_bytes",
+    "max_batch_requests": "max_batch_requests",
+    "max_files_per_key": "max_files_per_key",
+    "max_storage_per_key": "max_storage_per_key",
+    "max_open_batches_per_key": "max_open_batches_per_key",
+    "request_timeout": "request_timeout_s",
+}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -18,11 +62,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "serve",
         help="OpenAI-compatible HTTP server",
         description="Serve the model over an OpenAI-compatible API; all requests share one engine. "
-        "Flags fall back to QWENBATCH_<FLAG> environment variables (QWENBATCH_API_KEY, QWENBATCH_PORT, ...).",
+        "A flag not given falls back to the [server] table of --config (keys named as the flags: max_request_body), "
+        "then to a QWENBATCH_<FLAG> environment variable (QWENBATCH_PORT, QWENBATCH_API_KEY, ...).",
     )
-    env = os.environ.get
-    serve.add_argument("--host", default=env("QWENBATCH_HOST", "127.0.0.1"))
-    serve.add_argument("--port", type=int, default=int(env("QWENBATCH_PORT", "8000")))
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
     serve.add_argument(
         "--api-key",
         action="append",
@@ -33,85 +77,71 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--api-key-file",
         type=Path,
-        default=env("QWENBATCH_API_KEY_FILE"),
         help="more keys, one a line (blank lines and lines starting with # are skipped)",
     )
     serve.add_argument(
         "--admin-api-key",
-        default=env("QWENBATCH_ADMIN_API_KEY"),
         help="for POST /config (default: any of the API keys)",
     )
     serve.add_argument(
         "--served-model-name",
         nargs="+",
-        default=env("QWENBATCH_SERVED_MODEL_NAME", "").split() or None,
         help="the names clients use for the model (default: the --model value)",
     )
     serve.add_argument(
         "--max-waiting-seqs",
         type=int,
-        default=int(env("QWENBATCH_MAX_WAITING_SEQS", "4096")),
         help="above this many waiting sequences new requests get 503 with Retry-After",
     )
     serve.add_argument(
         "--max-request-body",
         type=parse_bytes,
-        default=parse_bytes(env("QWENBATCH_MAX_REQUEST_BODY", "32MiB")),
         help="largest request body, uploads to /v1/files aside (413 above it)",
     )
     serve.add_argument(
         "--data-dir",
         type=Path,
-        default=env("QWENBATCH_DATA_DIR"),
         help="where /v1/files and /v1/batches keep their files and database (default: <QWENBATCH_CACHE>/server)",
     )
     serve.add_argument(
         "--max-file-bytes",
         type=parse_bytes,
-        default=parse_bytes(env("QWENBATCH_MAX_FILE_BYTES", "200MB")),
         help="largest file uploaded to /v1/files (413 above it)",
     )
     serve.add_argument(
         "--max-batch-requests",
         type=int,
-        default=int(env("QWENBATCH_MAX_BATCH_REQUESTS", "50000")),
         help="most requests in one batch's input file (400 above it)",
     )
     serve.add_argument(
         "--max-files-per-key",
         type=int,
-        default=int(env("QWENBATCH_MAX_FILES_PER_KEY", "10000")),
         help="most files one API key may hold (uploads past it get 429)",
     )
     serve.add_argument(
         "--max-storage-per-key",
         type=parse_bytes,
-        default=parse_bytes(env("QWENBATCH_MAX_STORAGE_PER_KEY", "100GB")),
         help="most bytes of files one API key may hold, batch outputs included (uploads past it get 429)",
     )
     serve.add_argument(
         "--max-open-batches-per-key",
         type=int,
-        default=int(env("QWENBATCH_MAX_OPEN_BATCHES_PER_KEY", "100")),
         help="most unfinished batches one API key may have (new batches past it get 429)",
     )
     serve.add_argument(
         "--request-timeout",
         type=float,
-        default=float(env("QWENBATCH_REQUEST_TIMEOUT", "60")),
         help="seconds a request's headers, and then its body, may take to arrive (an upload: the longest stall "
         "between chunks); 408 after",
     )
     serve.add_argument(
         "--max-connections",
         type=int,
-        default=int(env("QWENBATCH_MAX_CONNECTIONS", "1024")),
         help="most concurrent connections and requests; more are answered 503 at once (uvicorn's limit_concurrency)",
     )
     serve.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=float(env("QWENBATCH_SHUTDOWN_TIMEOUT", "30")),
         help="on SIGTERM, seconds to let in-flight requests finish",
     )
     add_engine_args(serve)
@@ -122,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the sub-command; returns the exit code (errors raise ValueError for a one-line message)."""
     import signal
 
+    options = serve_options(args)
     try:
         import uvicorn
 
@@ -132,11 +163,9 @@ def run(args: argparse.Namespace) -> int:
 
     from qwenbatch.loader import check_model_source
 
-    if args.max_connections < 1:
-        raise ValueError(f"--max-connections must be >= 1, got {args.max_connections}")
     config = engine_config_from_args(args)
     check_model_source(config.model, config.load_format)  # a bad --model fails here, not after listening
-    names = args.served_model_name or ([config.model, DEFAULT_MODEL_NAME] if config.model == "default" else None)
+    default_names = [config.model, DEFAULT_MODEL_NAME] if config.model == "default" else []
     failures: list[BaseException] = []
 
     def on_fatal(error: BaseException) -> None:
@@ -144,29 +173,20 @@ def run(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     settings = ServerSettings(
-        served_model_names=names or [],
-        api_keys=api_keys(args),
-        admin_api_key=args.admin_api_key,
-        max_waiting_seqs=args.max_waiting_seqs,
-        max_body_bytes=args.max_request_body,
-        data_dir=args.data_dir,
-        max_file_bytes=args.max_file_bytes,
-        max_batch_requests=args.max_batch_requests,
-        max_files_per_key=args.max_files_per_key,
-        max_storage_per_key=args.max_storage_per_key,
-        max_open_batches_per_key=args.max_open_batches_per_key,
+        served_model_names=options.served_model_name or default_names,
+        api_keys=api_keys(options),
         on_fatal=on_fatal,
-        request_timeout_s=args.request_timeout,
+        **server_settings_values(options),
     )
     app = build_app(settings, config)
     server = uvicorn.Server(
         server_config(
             app,
             settings,
-            host=args.host,
-            port=args.port,
-            timeout_graceful_shutdown=args.shutdown_timeout,
-            limit_concurrency=args.max_connections,
+            host=options.host,
+            port=options.port,
+            timeout_graceful_shutdown=options.shutdown_timeout,
+            limit_concurrency=options.max_connections,
             log_level="debug" if args.verbose else "info",
         )
     )
@@ -180,12 +200,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def api_keys(args: argparse.Namespace) -> list[str]:
-    """The --api-key values (else QWENBATCH_API_KEY's, comma-separated), then the keys in --api-key-file."""
-    keys = args.api_key or [k.strip() for k in os.environ.get("QWENBATCH_API_KEY", "").split(",") if k.strip()]
-    if args.api_key_file is not None:
-        keys = keys + read_key_file(args.api_key_file)
-    return keys
+def serve_options(args: argparse.Namespace) -> ServeOptions:
+    """The serve flags, else the [server] table of --config, else QWENBATCH_* variables, else the defaults;
+    ValueError naming a bad variable, key or value."""
+    return resolve(ServeOptions, vars(args), args.config, "server")
+
+
+def server_settings_values(options: ServeOptions) -> dict[str, Any]:
+    """The options ServerSettings takes, under its names; those not set are left to its defaults."""
+    values = {name: getattr(options, option) for option, name in SERVER_SETTINGS_NAMES.items()}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def api_keys(options: ServeOptions) -> list[str]:
+    """The --api-key values (else the file's or QWENBATCH_API_KEY's), then the keys in --api-key-file."""
+    if options.api_key_file is None:
+        return options.api_key
+    return options.api_key + read_key_file(options.api_key_file)
 
 
 def read_key_file(path: Path) -> list[str]:

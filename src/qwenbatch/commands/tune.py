@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from qwenbatch.commands.engine_args import add_engine_args, engine_config_from_args
-from qwenbatch.config import parse_bytes
+from qwenbatch.settings import parse_bytes
 
 DEFAULT_SEQS = "1,2,4,8,16,32,64"
 
