@@ -47,7 +47,7 @@ class RunningServer:
 
     @property
     def engine(self) -> LLMEngine:
-        return self.app.state.ctx.engine.engine
+        return self.app.state.serving.engine.engine  # the engine thread's: tests only read or spy
 
     def __enter__(self) -> RunningServer:
         self.thread.start()
@@ -110,3 +110,17 @@ def serve_process(
             if proc.poll() is None:
                 proc.kill()
             proc.wait(30)
+
+
+def record_priorities(monkeypatch, inputs) -> list[int]:
+    """The priority of every request ``inputs`` (an engine's InputProcessor) makes from now on, in order."""
+    seen: list[int] = []
+    make_request = inputs.make_request
+
+    def spy(*args, **kwargs):
+        request = make_request(*args, **kwargs)
+        seen.append(request.priority)
+        return request
+
+    monkeypatch.setattr(inputs, "make_request", spy)
+    return seen

@@ -12,13 +12,13 @@ from pathlib import Path
 import openai
 import pytest
 
+from qwenbatch.batch_api.storage import BatchStore
 from qwenbatch.config import EngineConfig
 from qwenbatch.llm import LLM
 from qwenbatch.sampling_params import SamplingParams
 from qwenbatch.server.app import ServerSettings
 from qwenbatch.server.guard import owner_id
-from qwenbatch.server.storage import BatchStore
-from server_harness import RunningServer, serve_process, wait_for
+from server_harness import RunningServer, record_priorities, serve_process, wait_for
 
 MODEL = "tiny"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -229,15 +229,7 @@ def test_each_api_key_sees_only_its_own_batches(client, other_client):
 
 
 def test_batch_lines_run_below_interactive_requests(client, server, monkeypatch):
-    engine = server.engine
-    seen: list[int] = []
-    make_request = engine.make_request
-
-    def spy(*args, priority: int = 0, **kwargs):
-        seen.append(priority)
-        return make_request(*args, priority=priority, **kwargs)
-
-    monkeypatch.setattr(engine, "make_request", spy)
+    seen = record_priorities(monkeypatch, server.engine.inputs)
     batch = submit(client, [chat_line(i, max_tokens=48) for i in range(40)])
     wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1, "a line done", 60)
     answer = client.chat.completions.create(
@@ -326,47 +318,43 @@ def test_a_cancel_taken_just_before_a_crash_is_honoured_after_the_restart(tiny_q
 # -- the worker's backend: a busy server is waited for, never recorded as a failure --------------------
 
 
-def _busy_app(busy_answers: int, healthy: bool):
-    """A stand-in ASGI app answering 503 ``busy_answers`` times, then 200, with an engine of the given health."""
-    from types import SimpleNamespace
+class _BusyServing:
+    """A stand-in serving layer answering 503 ``busy_answers`` times, then 200, over an engine of the given health."""
 
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
+    def __init__(self, busy_answers: int, healthy: bool) -> None:
+        from types import SimpleNamespace
 
-    app = FastAPI()
-    app.state.ctx = SimpleNamespace(engine=SimpleNamespace(is_healthy=healthy, state=SimpleNamespace(value="dead")))
-    calls: list[dict] = []
+        self.engine = SimpleNamespace(is_healthy=healthy, state=SimpleNamespace(value="dead"))
+        self.busy_answers = busy_answers
+        self.priorities: list[int] = []
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: dict):
-        calls.append(body)
-        if len(calls) <= busy_answers:
-            return JSONResponse({"error": {"message": "queue full"}}, status_code=503)
-        return {"ok": True}
-
-    return app, calls
+    async def call(self, url: str, body: dict, priority: int = 0) -> tuple[int, dict]:
+        self.priorities.append(priority)
+        if len(self.priorities) <= self.busy_answers:
+            return 503, {"error": {"message": "queue full"}}
+        return 200, {"ok": True}
 
 
 def test_the_worker_retries_a_busy_answer_and_stops_when_the_engine_is_gone():
     import asyncio
 
-    from qwenbatch.server.batch_worker import AppBackend, EngineUnavailable
+    from qwenbatch.batch.backends import EngineUnavailable, ServingBackend
+    from qwenbatch.engine.scheduler import BACKGROUND_PRIORITY
 
-    async def send(app):
-        backend = AppBackend(app, token="t", owner="o", capacity=1)
-        await backend.start()
-        try:
-            return await backend.send(CHAT, {"messages": [], "priority": 0})
-        finally:
-            await backend.close()
+    def send(serving: _BusyServing, priority: int = 0) -> tuple[int, dict]:
+        backend = ServingBackend(serving, capacity=1, priority_floor=BACKGROUND_PRIORITY)
+        return asyncio.run(backend.send(CHAT, {"messages": [], "priority": priority}))
 
-    app, calls = _busy_app(busy_answers=2, healthy=True)
-    assert asyncio.run(send(app)) == (200, {"ok": True})
-    assert len(calls) == 3 and all(c["priority"] == 1 for c in calls)  # batch lines never below priority 1
-    app, calls = _busy_app(busy_answers=5, healthy=False)
+    serving = _BusyServing(busy_answers=2, healthy=True)
+    assert send(serving) == (200, {"ok": True})
+    assert serving.priorities == [BACKGROUND_PRIORITY] * 3  # batch lines never better than the floor
+    serving = _BusyServing(busy_answers=0, healthy=True)
+    send(serving, priority=BACKGROUND_PRIORITY + 3)
+    assert serving.priorities == [BACKGROUND_PRIORITY + 3]  # a worse priority is kept
+    serving = _BusyServing(busy_answers=5, healthy=False)
     with pytest.raises(EngineUnavailable, match="dead"):
-        asyncio.run(send(app))
-    assert len(calls) == 1
+        send(serving)
+    assert len(serving.priorities) == 1
 
 
 def test_the_worker_survives_a_locked_store_reports_it_and_then_finishes_the_batch(tiny_qwen3, tmp_path, monkeypatch):
@@ -374,7 +362,7 @@ def test_the_worker_survives_a_locked_store_reports_it_and_then_finishes_the_bat
 
     import httpx
 
-    from qwenbatch.server import batch_worker
+    from qwenbatch.batch_api import worker as batch_worker
 
     locked = [True]
     unfinished = BatchStore.unfinished_batches
@@ -470,11 +458,11 @@ def _cancelling_batch_with_a_torn_log(store: BatchStore, lines: int = 4):
 
 
 def test_a_torn_last_result_does_not_fail_a_cancelled_batch(tmp_path):
-    from qwenbatch.server.batch_worker import BatchWorker
+    from qwenbatch.batch_api.worker import BatchWorker
 
     store = BatchStore(tmp_path / "data")
     batch = _cancelling_batch_with_a_torn_log(store)
-    BatchWorker(app=None, store=store, capacity=1)._finalize(batch)
+    BatchWorker(serving=None, store=store, capacity=1, max_line_bytes=2**20)._finalize(batch)
     done = store.get_batch("o", batch.id)
     assert done.status == "cancelled" and done.request_counts.completed == 2
     output = store.file_path("o", done.output_file_id).read_text().splitlines()
@@ -482,7 +470,7 @@ def test_a_torn_last_result_does_not_fail_a_cancelled_batch(tmp_path):
 
 
 def test_finalizing_again_after_a_crash_reuses_the_stored_output_file(tmp_path, monkeypatch):
-    from qwenbatch.server.batch_worker import BatchWorker
+    from qwenbatch.batch_api.worker import BatchWorker
 
     store = BatchStore(tmp_path / "data")
     batch = _cancelling_batch_with_a_torn_log(store)
@@ -496,7 +484,7 @@ def test_finalizing_again_after_a_crash_reuses_the_stored_output_file(tmp_path, 
         return update(self, batch_id, **changes)
 
     monkeypatch.setattr(BatchStore, "update_batch", crash_before_naming_the_file)
-    worker = BatchWorker(app=None, store=store, capacity=1)
+    worker = BatchWorker(serving=None, store=store, capacity=1, max_line_bytes=2**20)
     with pytest.raises(OSError):
         worker._finalize(batch)
     worker._finalize(store.get_batch("o", batch.id))

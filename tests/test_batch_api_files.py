@@ -23,12 +23,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from qwenbatch.cli import build_parser
-from qwenbatch.commands.serve import api_keys
-from qwenbatch.config import EngineConfig
-from qwenbatch.server.app import ServerSettings
-from qwenbatch.server.guard import owner_id
-from qwenbatch.server.storage import (
+from qwenbatch.batch_api.storage import (
     BatchError,
     BatchRecord,
     BatchStore,
@@ -38,6 +33,11 @@ from qwenbatch.server.storage import (
     QuotaExceeded,
     RequestCounts,
 )
+from qwenbatch.cli import build_parser
+from qwenbatch.commands.serve import api_keys, serve_options
+from qwenbatch.config import EngineConfig
+from qwenbatch.server.app import ServerSettings
+from qwenbatch.server.guard import owner_id
 from server_harness import RunningServer
 
 KEY_A, KEY_B, KEY_LISTER = "key-a", "key-b", "key-lister"
@@ -259,11 +259,12 @@ def test_serve_takes_keys_from_repeated_flags_a_key_file_or_the_environment(tmp_
     parse = build_parser().parse_args
     flags = ["serve", "--api-key", "key-a", "--api-key", "key-b", "--api-key-file", str(key_file)]
     monkeypatch.setenv("QWENBATCH_API_KEY", "env-1, env-2")
-    assert api_keys(parse(flags)) == ["key-a", "key-b", "key-c", "key-d"]  # flags win over the environment
-    assert api_keys(parse(["serve"])) == ["env-1", "env-2"]
+    # Flags win over the environment.
+    assert api_keys(serve_options(parse(flags))) == ["key-a", "key-b", "key-c", "key-d"]
+    assert api_keys(serve_options(parse(["serve"]))) == ["env-1", "env-2"]
     key_file.write_text("# only comments\n\n")
     with pytest.raises(ValueError, match="holds no keys"):  # never an open server by accident
-        api_keys(parse(["serve", "--api-key-file", str(key_file)]))
+        api_keys(serve_options(parse(["serve", "--api-key-file", str(key_file)])))
 
 
 # -- restart ----------------------------------------------------------------------------------------

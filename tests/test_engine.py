@@ -7,6 +7,7 @@ import random
 import pytest
 
 from qwenbatch import LLM, SamplingParams
+from server_harness import record_priorities
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -271,24 +272,15 @@ def test_a_better_priority_request_gets_a_seat_at_once_and_the_preempted_output_
 
 def test_priority_must_be_an_int(tiny_qwen3):
     engine = LLM(model=str(tiny_qwen3), dtype="float32", kv_cache_memory=2**20).engine
-    assert engine.make_request("a", [5, 6], GREEDY, priority=-7).seqs[0].priority == -7
+    assert engine.inputs.make_request("a", [5, 6], GREEDY, priority=-7).seqs[0].priority == -7
     with pytest.raises(TypeError, match="priority must be an int, not str"):
-        engine.make_request("b", [5, 6], GREEDY, priority="1")
+        engine.inputs.make_request("b", [5, 6], GREEDY, priority="1")
 
 
 def test_priority_over_http_is_validated_and_reaches_the_engine(tiny_server, monkeypatch):
     import httpx
 
-    engine = tiny_server.engine
-    seen = []
-    make_request = engine.make_request
-
-    def spy(*args, **kwargs):
-        request = make_request(*args, **kwargs)
-        seen.append(request.priority)
-        return request
-
-    monkeypatch.setattr(engine, "make_request", spy)
+    seen = record_priorities(monkeypatch, tiny_server.engine.inputs)
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "ignore_eos": True}
     completion = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}
     for path, body in [("/v1/chat/completions", chat), ("/v1/completions", completion)]:

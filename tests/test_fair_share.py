@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from qwenbatch.server.fair_share import FairShare
+from qwenbatch.batch.fair_share import FairShare
 
 
 async def hold(share: FairShare, owner: str, release: asyncio.Event, holding: list[str]) -> None:

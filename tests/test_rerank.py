@@ -27,7 +27,7 @@ from qwenbatch.cli import main
 from qwenbatch.config import EngineConfig
 from qwenbatch.rerank import DEFAULT_INSTRUCTION, PREFIX, SUFFIX
 from qwenbatch.server.app import ServerSettings
-from qwenbatch.server.protocol import MAX_RERANK_DOCUMENTS
+from qwenbatch.serving.protocol import MAX_RERANK_DOCUMENTS
 from server_harness import RunningServer
 
 # The model card passes max_length to tokenizer.pad with padding=True, which transformers warns it ignores.
@@ -183,7 +183,7 @@ def test_the_tokenizer_splits_the_template_like_the_model_card(llm, tiny_reranke
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_reranker))
-    formatter = llm.engine.rerank_formatter
+    formatter = llm.engine.inputs.rerank_formatter
     assert formatter.prefix_ids == tokenizer.encode(PREFIX, add_special_tokens=False)
     assert formatter.suffix_ids == tokenizer.encode(SUFFIX, add_special_tokens=False)
     assert (len(formatter.prefix_ids), len(formatter.suffix_ids)) == (108, 18)  # the module docstring's numbers
@@ -194,7 +194,7 @@ def test_scores_equal_the_model_card(llm, tiny_reranker, instruction):
     pairs = [(QUERIES[i % 3], d) for i, d in enumerate(documents(len(DOC_WORDS), seed=3))]
     want, dropped = model_card_scores(tiny_reranker, pairs, instruction, max_length=llm.engine.max_model_len)
     assert not any(dropped)
-    lengths = [len(llm.engine.rerank_formatter.build(q, d, instruction).token_ids) for q, d in pairs]
+    lengths = [len(llm.engine.inputs.rerank_formatter.build(q, d, instruction).token_ids) for q, d in pairs]
     assert min(lengths) < 230 and max(lengths) > 500  # 126 template tokens + a few to a few hundred, none cut
     assert_close(llm.score(pairs, instruction, use_tqdm=False), want, REFERENCE_TOL)
     assert_all_blocks_free(llm)
@@ -211,7 +211,7 @@ def test_truncation_equals_the_model_card(tiny_reranker, max_len):
     assert [r.truncated_tokens for r in results] == dropped
     assert_close([r.score for r in results], want, REFERENCE_TOL)
     assert all(dropped) if max_len == 128 else 0 in dropped and max(dropped) > 100
-    formatter = small.engine.rerank_formatter
+    formatter = small.engine.inputs.rerank_formatter
     assert max(len(formatter.build(query, d).token_ids) for d in docs) == max_len  # a pair fills max_model_len
     assert_all_blocks_free(small)
 
@@ -277,14 +277,14 @@ def test_scoring_mixed_with_generation(tiny_reranker, llm, pairs40, alone, budge
     gen_alone = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     mixed = reranker(tiny_reranker, max_num_batched_tokens=budget)
     engine = mixed.engine
-    formatter = engine.rerank_formatter
+    formatter = engine.inputs.rerank_formatter
     outputs = {}
     for i, prompt in enumerate(prompts):
         engine.add_request(f"gen-{i}", prompt, GREEDY)
     for _ in range(3):  # the generations are prefilled and decoding when the pairs arrive
         outputs.update({o.request_id: o for o in engine.step()})
     for i, (query, doc) in enumerate(pairs40):
-        engine.add(engine.make_score_request(f"score-{i}", formatter.build(query, doc, SHORT).token_ids))
+        engine.add(engine.inputs.make_score_request(f"score-{i}", formatter.build(query, doc, SHORT).token_ids))
         if i % 10 == 9:
             outputs.update({o.request_id: o for o in engine.step()})
     engine.add_request("gen-late", prompts[0], GREEDY)  # and one that starts among the pairs
@@ -349,7 +349,7 @@ def test_a_generation_engine_does_not_score(tiny_reranker):
     with pytest.raises(ValueError, match="rerank"):
         llm.score([(QUERIES[0], "a document")], use_tqdm=False)
     with pytest.raises(ValueError, match="rerank"):
-        llm.engine.make_score_request("x", [1, 2, 3])
+        llm.engine.inputs.make_score_request("x", [1, 2, 3])
     assert llm.generate("The quick", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
@@ -385,7 +385,7 @@ def test_server_rerank_equals_llm_rerank(client, llm, path):
     got = response.json()
     assert set(got) == {"id", "model", "usage", "results"}
     assert got["model"] == "reranker"
-    formatter = llm.engine.rerank_formatter
+    formatter = llm.engine.inputs.rerank_formatter
     assert got["usage"]["total_tokens"] == sum(len(formatter.build(QUERIES[2], d, "Rank").token_ids) for d in docs)
     want = llm.rerank(QUERIES[2], docs, instruction="Rank", use_tqdm=False)
     results = got["results"]
@@ -423,7 +423,7 @@ def test_server_score_one_to_one_and_one_to_many(client, llm, path):
     got = one.json()
     assert [d["index"] for d in got["data"]] == list(range(len(docs)))
     assert_close([d["score"] for d in got["data"]], want, SERVER_TOL)
-    formatter = llm.engine.rerank_formatter
+    formatter = llm.engine.inputs.rerank_formatter
     total = sum(len(formatter.build(q, d).token_ids) for q, d in zip(queries, docs, strict=True))
     assert got["usage"]["total_tokens"] == got["usage"]["prompt_tokens"] == total
 

@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from qwenbatch.config import EngineConfig
 from qwenbatch.engine.llm_engine import LLMEngine
 from qwenbatch.server.app import ServerSettings
-from server_harness import RunningServer, free_port, serve_process, wait_for
+from server_harness import RunningServer, free_port, record_priorities, serve_process, wait_for
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 1024  # the tiny checkpoint's context length
@@ -189,7 +189,7 @@ def dead_on_arrival(tiny_qwen3):
     """A server whose engine failed to load."""
     settings = ServerSettings(served_model_names=[MODEL])
     with RunningServer(settings, engine_config(tiny_qwen3), engine_factory=failing_to_load, wait_healthy=False) as srv:
-        wait_for(lambda: srv.app.state.ctx.engine.error is not None, "the engine to fail loading")
+        wait_for(lambda: srv.app.state.serving.engine.error is not None, "the engine to fail loading")
         yield srv
 
 
@@ -874,15 +874,7 @@ def test_serve_with_a_missing_model_fails_with_one_line(tmp_path):
 
 
 def test_a_better_than_default_priority_is_the_admins_alone(guarded, monkeypatch):
-    seen = []
-    make_request = guarded.engine.make_request
-
-    def spy(*args, **kwargs):
-        request = make_request(*args, **kwargs)
-        seen.append(request.priority)
-        return request
-
-    monkeypatch.setattr(guarded.engine, "make_request", spy)
+    seen = record_priorities(monkeypatch, guarded.engine.inputs)
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True, "priority": -(2**31)}
     for headers in (USER, ADMIN):
         response = httpx.post(guarded.url + "/v1/completions", json=body, headers=headers, timeout=60)
@@ -929,7 +921,7 @@ def test_post_config_refuses_limits_no_engine_could_use(guarded, value):
 def test_health_tells_the_engines_error_to_authenticated_callers_only(tiny_qwen3):
     settings = ServerSettings(served_model_names=[MODEL], api_keys=[USER_KEY])
     with RunningServer(settings, engine_config(tiny_qwen3), engine_factory=failing_to_load, wait_healthy=False) as srv:
-        wait_for(lambda: srv.app.state.ctx.engine.error is not None, "the engine to fail loading")
+        wait_for(lambda: srv.app.state.serving.engine.error is not None, "the engine to fail loading")
         anonymous = httpx.get(srv.url + "/health")
         assert anonymous.status_code == 503 and anonymous.json() == {"status": "dead"}, anonymous.text
         known = httpx.get(srv.url + "/health", headers=USER)
@@ -970,14 +962,14 @@ def test_concurrent_requests_cannot_together_pass_the_waiting_bound(tiny_qwen3, 
         # Two requests of 6 sequences each fit the empty queue alone; both are held mid-tokenizing until
         # both passed the first check, so only the step that queues them can see they do not fit together.
         both_tokenizing = threading.Barrier(2, timeout=30)
-        make_request = server.engine.make_request
+        make_request = server.engine.inputs.make_request
 
         def held(request_id, *args, **kwargs):
             if request_id.endswith("-0"):
                 both_tokenizing.wait()
             return make_request(request_id, *args, **kwargs)
 
-        monkeypatch.setattr(server.engine, "make_request", held)
+        monkeypatch.setattr(server.engine.inputs, "make_request", held)
         body = {"model": MODEL, "prompt": [[5, 6, 7]] * 6, "max_tokens": 32, "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             posts = [pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=60) for _ in "ab"]

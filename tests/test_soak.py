@@ -29,7 +29,7 @@ def test_a_short_soak_leaves_the_server_clean(tiny_qwen3, tmp_path):
         assert report.clean
         engine, bm = server.engine, server.engine.block_manager
         assert not engine.has_unfinished() and bm.num_free_blocks == bm.num_blocks
-        wait_for(lambda: not server.app.state.ctx.engine._streams, "every stream to be dropped")
+        wait_for(lambda: not server.app.state.serving.engine._streams, "every stream to be dropped")
 
 
 def test_metric_value_reads_a_prometheus_exposition():

@@ -241,7 +241,7 @@ def test_serve_and_run_batch_read_the_config_file_under_their_flags(tmp_path, mo
     ("text", "message"),
     [
         ("[engine]\nmax_num_seq = 4\n", "unknown engine setting 'max_num_seq'"),
-        ("[server]\nport = 1\n", "unknown table"),
+        ("[serve]\nport = 1\n", "unknown table"),
         ("[engine\n", "not valid TOML"),
         ("[engine]\nmax_num_seqs = 0\n", "max_num_seqs must be a positive integer"),
     ],

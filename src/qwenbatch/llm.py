@@ -72,7 +72,7 @@ class LLM:
         def makers() -> Iterator[Callable[[str], EngineRequest]]:
             for index, prompt in enumerate(prompts):
                 params = sampling_params[index] if per_prompt else sampling_params
-                yield functools.partial(self.engine.make_request, prompt=prompt, params=params)
+                yield functools.partial(self.engine.inputs.make_request, prompt=prompt, params=params)
 
         yield from self._drive(makers(), use_tqdm, total)
 
@@ -103,14 +103,14 @@ class LLM:
         self, pairs: Iterable[tuple[str, str]], instruction: str | None, use_tqdm: bool, total: int | None = None
     ) -> list[RerankResult]:
         """One result per pair in input order; documents are left empty (rerank fills them in)."""
-        formatter = self.engine.rerank_formatter
+        formatter = self.engine.inputs.rerank_formatter
         truncated: list[int] = []
 
         def makers() -> Iterator[Callable[[str], EngineRequest]]:
             for query, document in pairs:
                 prompt = formatter.build(query, document, instruction)
                 truncated.append(prompt.truncated_tokens)
-                yield functools.partial(self.engine.make_score_request, token_ids=prompt.token_ids)
+                yield functools.partial(self.engine.inputs.make_score_request, token_ids=prompt.token_ids)
 
         scores: dict[int, float] = {}
         for index, output in self._drive(makers(), use_tqdm, total):
@@ -162,11 +162,9 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Apply the chat template to each conversation and generate; thinking goes to ``reasoning_content``."""
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer (dummy weights): chat needs one")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.tokenizer.apply_chat_template(c, enable_thinking=enable_thinking) for c in conversations]
+        prompts = [self.engine.inputs.chat_prompt(c, enable_thinking) for c in conversations]
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         if not self.tokenizer.has_token(THINK_END):
             return outputs  # not a thinking model (Qwen2.5): the text is all answer

@@ -1,8 +1,8 @@
 """Where a batch job's requests run: in this process, on OpenAI-compatible servers, or on Ray actors.
 
 Every backend answers ``send(url, body) -> (status, body)`` with the server's exact response
-bodies (in-process runs the same FastAPI app through an in-memory transport), so a job's results
-are the same whichever backend ran it. ``capacity`` is how many requests it wants in flight.
+bodies (in process, the serving layer the HTTP server also calls), so a job's results are the same
+whichever backend ran it. ``capacity`` is how many requests it wants in flight.
 """
 
 from __future__ import annotations
@@ -16,11 +16,17 @@ from typing import Protocol
 import httpx
 import orjson
 
+from qwenbatch.batch.fair_share import FairShare
 from qwenbatch.config import EngineConfig
+from qwenbatch.engine.async_engine import AsyncEngine, EngineState
+from qwenbatch.engine.llm_engine import LLMEngine
+from qwenbatch.serving.api import OpenAIServingAPI
 
 logger = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
+BUSY_STATUSES = frozenset({429, 503})  # in process: the queue is full for now, or the engine is going away
+RETRY_FIRST_DELAY_S, RETRY_MAX_DELAY_S = 0.05, 2.0
 
 
 class ServersUnavailableError(RuntimeError):
@@ -45,47 +51,81 @@ def response_json(response: httpx.Response) -> dict:
         return {"error": {"message": response.text[:500], "type": "invalid_response", "param": None, "code": None}}
 
 
-class InProcessBackend:
-    """The server's app in this process, called through httpx's in-memory ASGI transport."""
+class EngineUnavailable(RuntimeError):
+    """The engine failed to load, stopped or died while a job ran; what is done is saved, the rest resumes."""
 
-    def __init__(self, engine_config: EngineConfig, lookahead: int | None = None) -> None:
-        from qwenbatch.server.app import ServerSettings, build_app
 
-        # The queue bound is the job's own in-flight limit; bodies are as large as a line.
-        settings = ServerSettings(
-            served_model_names=["batch"], max_waiting_seqs=2**31, max_body_bytes=2**31, batch_api=False
-        )
-        self.app = build_app(settings, engine_config)
-        # Enough requests in flight to keep every batch slot busy, few enough to keep memory flat.
-        self.capacity = lookahead or 2 * engine_config.max_num_seqs
-        self._lifespan = None
-        self._client: httpx.AsyncClient | None = None
+class ServingBackend:
+    """Requests answered in this process by the serving layer over one engine client, with no HTTP: the
+    bodies are exactly the server's. A busy answer (429, 503: the queue is full for now) is retried, never
+    recorded; EngineUnavailable ends the run when the engine is gone.
+
+    ``priority_floor``: no line runs better than this (the Batch API's worker runs at the scheduler's
+    background priority, below interactive requests). ``fair_share``/``owner``: each line first waits for
+    one of its owner's slots. ``own_engine``: start the engine with the backend and stop it with it, and
+    answer whatever model a line names (a job file's model is the one this process loaded).
+    """
+
+    def __init__(
+        self,
+        serving: OpenAIServingAPI,
+        capacity: int,
+        priority_floor: int = 0,
+        fair_share: FairShare | None = None,
+        owner: str = "",
+        own_engine: bool = False,
+    ) -> None:
+        self.serving = serving
+        self.capacity = capacity
+        self.priority_floor = priority_floor
+        self.fair_share = fair_share
+        self.owner = owner
+        self.own_engine = own_engine
 
     async def start(self) -> None:
-        from qwenbatch.engine.async_engine import EngineState
-
-        self._lifespan = self.app.router.lifespan_context(self.app)
-        await self._lifespan.__aenter__()
-        engine = self.app.state.ctx.engine
+        """Wait for the model to load (starting the engine if the backend owns it)."""
+        engine = self.serving.engine
+        if self.own_engine:
+            engine.start()
         while engine.state is EngineState.LOADING:
             await asyncio.sleep(0.05)
         if engine.state is not EngineState.READY:
-            raise RuntimeError(f"the model failed to load: {engine.error}")
-        transport = httpx.ASGITransport(app=self.app)
-        self._client = httpx.AsyncClient(transport=transport, base_url="http://in-process", timeout=None)
+            raise EngineUnavailable(f"the model failed to load: {engine.error}")
 
     async def send(self, url: str, body: dict) -> tuple[int, dict]:
-        body = {k: v for k, v in body.items() if k != "model"}  # one model here, whatever the file names
-        response = await self._client.post(
-            url, content=orjson.dumps(body), headers={"content-type": "application/json"}
-        )
-        return response.status_code, response_json(response)
+        if self.own_engine:
+            body = {k: v for k, v in body.items() if k != "model"}
+        priority = body.get("priority")
+        priority = max(self.priority_floor, priority if isinstance(priority, int) else 0)
+        if self.fair_share is None:
+            return await self._send(url, body, priority)
+        async with self.fair_share.slot(self.owner):
+            return await self._send(url, body, priority)
+
+    async def _send(self, url: str, body: dict, priority: int) -> tuple[int, dict]:
+        delay = RETRY_FIRST_DELAY_S
+        while True:
+            status, response = await self.serving.call(url, body, priority)
+            if status not in BUSY_STATUSES:
+                return status, response
+            engine = self.serving.engine
+            if not engine.is_healthy:
+                raise EngineUnavailable(f"the engine is {engine.state.value}")
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, RETRY_MAX_DELAY_S)
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-        if self._lifespan is not None:
-            await self._lifespan.__aexit__(None, None, None)
+        if self.own_engine:
+            await asyncio.to_thread(self.serving.engine.stop)
+
+
+def in_process_backend(engine_config: EngineConfig, lookahead: int | None = None) -> ServingBackend:
+    """A backend that loads ``engine_config``'s model in this process and owns its engine."""
+    # The queue bound is the job's own in-flight limit (capacity).
+    engine = AsyncEngine(lambda: LLMEngine(engine_config), max_waiting_seqs=2**31)
+    # Enough requests in flight to keep every batch slot busy, few enough to keep memory flat.
+    capacity = lookahead or 2 * engine_config.max_num_seqs
+    return ServingBackend(OpenAIServingAPI(engine, ["batch"]), capacity, own_engine=True)
 
 
 class _Server:

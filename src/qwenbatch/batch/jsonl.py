@@ -26,7 +26,8 @@ from typing import TextIO
 
 import orjson
 
-CHAT_URL, COMPLETIONS_URL, RERANK_URL = "/v1/chat/completions", "/v1/completions", "/v1/rerank"
+from qwenbatch.serving.protocol import CHAT_URL, COMPLETIONS_URL, RERANK_URL
+
 INPUT_FORMATS = ("auto", "openai", "jsonl", "prompts")
 DUPLICATE = "duplicate_custom_id"
 

@@ -21,9 +21,9 @@ class _Replica:
 
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         torch.set_num_threads(num_threads)
-        from qwenbatch.batch.backends import InProcessBackend
+        from qwenbatch.batch.backends import in_process_backend
 
-        self.backend = InProcessBackend(engine_config)
+        self.backend = in_process_backend(engine_config)
 
     async def start(self) -> int:
         await self.backend.start()

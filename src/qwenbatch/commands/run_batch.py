@@ -118,6 +118,6 @@ def make_backend(name: str, args: argparse.Namespace):
         from qwenbatch.batch.ray_backend import RayBackend
 
         return RayBackend(config, args.num_replicas, args.ray_address)
-    from qwenbatch.batch.backends import InProcessBackend
+    from qwenbatch.batch.backends import in_process_backend
 
-    return InProcessBackend(config)
+    return in_process_backend(config)

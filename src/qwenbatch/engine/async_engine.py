@@ -1,22 +1,30 @@
-"""AsyncEngine: the LLMEngine loop on one background thread, with asyncio streams for the server.
+"""AsyncEngine: the LLMEngine loop on one background thread, and the engine client its callers use.
 
 The thread loads the model, then steps the engine while there is work and sleeps when there is
-none. Everything that touches the engine's queues (adding, aborting, changing limits) is handed
+none. Everything that touches the engine's state (adding, aborting, changing limits) is handed
 to that thread as a command, so the engine itself needs no locks and the event loop never waits
 on the model. Outputs go back to the event loop once per step with ``call_soon_threadsafe``.
+
+Callers (the serving layer) see only this client, as vLLM's servers see its ``EngineClient``: the
+input processor (tokenizer, chat template, request validation: thread-safe, its work run off the
+event loop by ``process_inputs``), ``config_snapshot``, ``open_streams``, ``abort``, ``update_limits``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import enum
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
+from qwenbatch.config import EngineConfig
+from qwenbatch.engine.input_processor import InputProcessor
 from qwenbatch.engine.llm_engine import LLMEngine
 from qwenbatch.engine.request import EngineRequest
 from qwenbatch.engine.stats import IterationStats, SchedulerStats
@@ -25,6 +33,28 @@ from qwenbatch.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 StatsCallback = Callable[[IterationStats, SchedulerStats], None]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's settings as they are now, published by the engine thread (GET /config shows them)."""
+
+    config: EngineConfig  # as changed by update_limits
+    dtype: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+
+    def as_dict(self) -> dict:
+        values = dataclasses.asdict(self.config)
+        values.update(
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            num_kv_blocks=self.num_kv_blocks,
+            num_kv_tokens=self.num_kv_blocks * self.block_size,
+        )
+        return values
 
 
 class EngineState(enum.Enum):
@@ -63,7 +93,9 @@ class AsyncEngine:
         self.max_waiting_seqs = max_waiting_seqs
         self._on_stats = on_stats
         self._on_fatal = on_fatal
-        self.engine: LLMEngine | None = None
+        self.engine: LLMEngine | None = None  # the engine thread's alone: callers use the methods below
+        self._inputs: InputProcessor | None = None
+        self._snapshot: EngineSnapshot | None = None
         self.state = EngineState.LOADING
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -101,13 +133,35 @@ class AsyncEngine:
         """True while the engine is loaded and its thread runs."""
         return self.state is EngineState.READY and self._thread is not None and self._thread.is_alive()
 
-    def ready_engine(self) -> LLMEngine:
-        """The loaded engine, or EngineNotReadyError saying why there is none."""
-        if not self.is_healthy or self.engine is None:
+    def _check_ready(self) -> None:
+        """EngineNotReadyError saying why the engine cannot take requests, if it cannot."""
+        if not self.is_healthy or self._inputs is None:
             if self.state is EngineState.LOADING:
                 raise EngineNotReadyError("the model is still loading")
             raise EngineNotReadyError(f"the engine is not running ({self.state.value}: {self.error})")
-        return self.engine
+
+    @property
+    def inputs(self) -> InputProcessor:
+        """The loaded model's input processor (tokenizer, chat template, validation); thread-safe.
+        EngineNotReadyError while there is none."""
+        self._check_ready()
+        return self._inputs
+
+    async def process_inputs(self, work: Callable[[InputProcessor], T]) -> T:
+        """``work(inputs)`` on a worker thread: tokenizing a long conversation or thousands of documents
+        would stall every other request on the event loop."""
+        inputs = self.inputs
+        return await asyncio.get_running_loop().run_in_executor(None, work, inputs)
+
+    def config_snapshot(self) -> EngineSnapshot:
+        """The engine's settings now; EngineNotReadyError while it is not running."""
+        self._check_ready()
+        return self._snapshot
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The longest prompt + output, once loaded (None before)."""
+        return self._snapshot.max_model_len if self._snapshot is not None else None
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -115,7 +169,7 @@ class AsyncEngine:
         """Before making a request of ``num_seqs`` sequences (prompts x n): ValueError when it alone is over
         the waiting queue's bound (it can never be admitted), QueueFullError when the queue has no room
         for all of it now."""
-        self.ready_engine()
+        self._check_ready()
         if num_seqs > self.max_waiting_seqs:
             raise ValueError(
                 f"the request makes {num_seqs} sequences (prompts x n); at most {self.max_waiting_seqs} can wait"
@@ -177,14 +231,17 @@ class AsyncEngine:
             stream.put_nowait(_ABORTED)
         self._submit(lambda: self.engine.abort(request_id))
 
-    async def update_limits(self, **limits: int) -> dict[str, int]:
-        """Change ``max_num_seqs`` / ``max_num_batched_tokens`` from the next step on."""
-        engine = self.ready_engine()
+    async def update_limits(self, **limits: int) -> EngineSnapshot:
+        """Change ``max_num_seqs`` / ``max_num_batched_tokens`` from the next step on; the settings after."""
+        self._check_ready()
+        engine = self.engine
         done: concurrent.futures.Future = concurrent.futures.Future()
 
         def apply() -> None:
             try:
-                done.set_result(engine.update_limits(**limits))
+                engine.update_limits(**limits)
+                self._publish_snapshot()
+                done.set_result(self._snapshot)
             except Exception as e:  # handed back to the caller, e.g. a ValueError for a bad value
                 done.set_exception(e)
 
@@ -214,6 +271,8 @@ class AsyncEngine:
         except BaseException as e:
             self._die(e, "the engine failed to load")
             return
+        self._inputs = self.engine.inputs
+        self._publish_snapshot()
         self.state = EngineState.READY
         logger.info("engine ready")
         try:
@@ -252,6 +311,16 @@ class AsyncEngine:
                 return ran
             command()
             ran += 1
+
+    def _publish_snapshot(self) -> None:
+        engine = self.engine
+        self._snapshot = EngineSnapshot(
+            engine.config,
+            str(engine.dtype).removeprefix("torch."),
+            engine.max_model_len,
+            engine.block_manager.num_blocks,
+            engine.block_manager.block_size,
+        )
 
     def _publish_stats(self) -> None:
         scheduler_stats = self.engine.scheduler_stats()

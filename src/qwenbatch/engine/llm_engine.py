@@ -1,39 +1,37 @@
-"""LLMEngine: requests in, one scheduled forward step at a time, outputs (final or streamed deltas) out."""
+"""LLMEngine, the engine core: queued requests in, one scheduled forward step at a time, outputs out.
+
+Three parts, as vLLM v1 splits them: ``InputProcessor`` makes validated requests (tokenizing, chat and
+reranker formatting; any thread), this core schedules and runs steps (one thread), and ``OutputProcessor``
+turns sampled tokens into text, stop decisions and ``RequestOutput``s.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
-import math
 import time
 
 import torch
 
 from qwenbatch.config import EngineConfig
 from qwenbatch.engine.block_manager import BlockManager
+from qwenbatch.engine.input_processor import InputProcessor
 from qwenbatch.engine.memory import gpu_kv_cache_budget, kv_cache_budget, num_kv_blocks
 from qwenbatch.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
+from qwenbatch.engine.output_processor import OutputProcessor
 from qwenbatch.engine.request import EngineRequest
 from qwenbatch.engine.scheduler import Scheduler
 from qwenbatch.engine.sequence import Sequence
 from qwenbatch.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from qwenbatch.layers.sampler import SamplingRow
 from qwenbatch.loader import load_model, resolve_model_dir
+from qwenbatch.loader.kernels import prepare_kernels
 from qwenbatch.outputs import RequestOutput
 from qwenbatch.rerank import DEFAULT_MAX_LENGTH, RerankFormatter, score_token_ids
 from qwenbatch.sampling_params import SamplingParams
-from qwenbatch.tokenizer import IncrementalDetokenizer, Tokenizer
+from qwenbatch.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-NOT_A_RERANKER = "this model does not score pairs: serve a Qwen3-Reranker, or pass --task rerank"
-SCORE_PARAMS = SamplingParams(temperature=0, max_tokens=1)  # placeholder: score-only sequences never sample
-
-
-def _check_priority(priority: int) -> None:
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise TypeError(f"priority must be an int, not {type(priority).__name__}")
 
 
 class LLMEngine:
@@ -50,21 +48,23 @@ class LLMEngine:
         self.tokenizer = Tokenizer(tokenizer_dir, loaded.config.eos_token_ids) if tokenizer_dir else None
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else loaded.config.eos_token_ids
         self.task = config.resolved_task
-        score_ids = None
+        score_weight = None
         if self.task == "rerank":
             if self.tokenizer is None:
                 raise ValueError("--task rerank needs a tokenizer (dummy weights: pass --tokenizer default)")
-            score_ids = score_token_ids(self.tokenizer)
-
+            # The "no" and "yes" rows of the LM head, in float32, before the kernels change its layout.
+            rows = list(score_token_ids(self.tokenizer))
+            score_weight = loaded.model.lm_head.weight.detach()[rows].float().clone()
+        kernels = prepare_kernels(loaded.model, self.dtype, device, config.quantization)
         self.runner = ModelRunner(
             loaded.model,
             loaded.config,
             config.block_size,
             self.dtype,
             device,
+            kernels,
             config.resolved_attention_backend,
-            score_ids,
-            config.quantization,
+            score_weight,
         )
         per_token = kv_cache_bytes_per_token(loaded.config, self.dtype)
         kv_bytes = self._kv_cache_bytes()
@@ -81,11 +81,12 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks)
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
-        self._rerank_formatter = None
+        formatter = None
         if self.task == "rerank":
-            self._rerank_formatter = RerankFormatter(self.tokenizer, min(DEFAULT_MAX_LENGTH, self.max_model_len))
+            formatter = RerankFormatter(self.tokenizer, min(DEFAULT_MAX_LENGTH, self.max_model_len))
+        self.inputs = InputProcessor(self.tokenizer, loaded.config.vocab_size, self.max_model_len, formatter)
+        self.outputs = OutputProcessor(self.eos_token_ids, str(self.dtype).removeprefix("torch."))
         self._requests: dict[str, EngineRequest] = {}
-        self._seq_ids = itertools.count()
         self._stats = IterationStats()
 
     def _kv_cache_bytes(self) -> int:
@@ -125,122 +126,13 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        stream: bool = False,
-        priority: int = 0,
-    ) -> None:
-        """Validate and queue a request; ValueError when it cannot fit (the message names the numbers)."""
-        self.add(self.make_request(request_id, prompt, params, stream, priority))
-
-    def make_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        stream: bool = False,
-        priority: int = 0,
-    ) -> EngineRequest:
-        """Tokenize and validate a request without touching the queue, so it may run on another thread.
-
-        ``stream=True`` makes ``step`` report the request's new tokens every step it samples.
-        ``priority``: lower is served earlier (vLLM's convention); see scheduler.py.
-        """
-        _check_priority(priority)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer (dummy weights): pass prompt token ids")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"the prompt is not valid Unicode text ({e.reason} at {e.start})") from e
-            prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            prompt_text, token_ids = None, list(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
-        n_prompt = len(token_ids)
-        if n_prompt >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n_prompt} tokens; max_model_len is {self.max_model_len}, "
-                "which leaves no room to generate"
-            )
-        room = self.max_model_len - n_prompt
-        max_tokens = room if params.max_tokens is None else params.max_tokens
-        if max_tokens > room:
-            raise ValueError(
-                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds max_model_len ({self.max_model_len})"
-            )
-        seqs = []
-        for i in range(params.n):
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator().manual_seed((params.seed + i) % 2**64)
-            detok = None
-            if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(
-                    self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
-                )
-            seq = Sequence(
-                next(self._seq_ids),
-                request_id,
-                i,
-                list(token_ids),
-                n_prompt,
-                params,
-                max_tokens,
-                generator,
-                detok,
-                priority=priority,
-                logprobs=[] if params.logprobs is not None else None,
-            )
-            seqs.append(seq)
-        return EngineRequest(
-            request_id, prompt_text, token_ids, seqs, stream, priority=priority, arrival_time=time.monotonic()
-        )
-
-    @property
-    def rerank_formatter(self) -> RerankFormatter:
-        """Builds reranker prompts; ValueError when the engine does not score (not --task rerank)."""
-        if self._rerank_formatter is None:
-            raise ValueError(NOT_A_RERANKER)
-        return self._rerank_formatter
-
-    def make_score_request(self, request_id: str, token_ids: list[int], priority: int = 0) -> EngineRequest:
-        """A request that prefills ``token_ids`` and reports P(yes) at the last position (reranker)."""
-        _check_priority(priority)
-        if self._rerank_formatter is None:
-            raise ValueError(NOT_A_RERANKER)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(f"the pair has {len(token_ids)} tokens; max_model_len is {self.max_model_len}")
-        seq = Sequence(
-            next(self._seq_ids),
-            request_id,
-            0,
-            list(token_ids),
-            len(token_ids),
-            SCORE_PARAMS,
-            1,
-            priority=priority,
-            score_only=True,
-        )
-        return EngineRequest(request_id, None, list(token_ids), [seq], priority=priority, arrival_time=time.monotonic())
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, **options) -> None:
+        """Make (``InputProcessor.make_request``'s ``options``) and queue a request; ValueError when it cannot
+        fit (the message names the numbers)."""
+        self.add(self.inputs.make_request(request_id, prompt, params, **options))
 
     def add(self, request: EngineRequest) -> None:
-        """Queue a request made by ``make_request``."""
+        """Queue a request made by ``self.inputs`` (the InputProcessor)."""
         if request.request_id in self._requests:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         self._requests[request.request_id] = request
@@ -309,37 +201,30 @@ class LLMEngine:
         touched: dict[str, EngineRequest] = {}
         for seq, value in zip(scored, result.scores, strict=True):
             req = self._requests[seq.request_id]
-            self._record_score(req, seq, value, now)
+            self._record_score(req, now)
+            self._finish(seq, self.outputs.process_score(req, seq, value))
             touched[req.request_id] = req
         for seq, token, lp, bad in zip(sampled, result.token_ids, result.logprobs, result.non_finite, strict=True):
             req = self._requests[seq.request_id]
             self._record_token(req, seq, now)
-            self._append(seq, token, lp, bad)
+            reason = self.outputs.process_token(req, seq, token, lp, bad)
+            if reason is not None:
+                self._finish(seq, reason)
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
-            finished = req.finished
-            if req.stream:
-                delta = req.delta_output()
-                if delta is not None:
-                    outputs.append(delta)
-            elif finished:
-                outputs.append(req.final_output())
-            if finished:
+            output = self.outputs.output(req)
+            if output is not None:
+                outputs.append(output)
+            if req.finished:
                 del self._requests[req.request_id]
                 self._record_finished(req, now)
         return outputs
 
-    def _record_score(self, req: EngineRequest, seq: Sequence, value: float, now: float) -> None:
+    def _record_score(self, req: EngineRequest, now: float) -> None:
         req.first_token_time = now
         self._stats.add_sample(self._stats.time_to_first_token, now - req.arrival_time)
         self._stats.num_prompt_tokens += len(req.prompt_token_ids)
-        if math.isfinite(value):
-            seq.score = value
-            self._finish(seq, "stop")
-        else:
-            seq.error = f"the model produced a non-finite score in {self.dtype}: try --dtype bfloat16"
-            self._finish(seq, "error")
 
     def _record_token(self, req: EngineRequest, seq: Sequence, now: float) -> None:
         stats = self._stats
@@ -395,38 +280,9 @@ class LLMEngine:
             p,
             seq.output_token_ids,
             seq.prompt_token_ids if p.repetition_penalty != 1.0 else [],
-            seq.generator,
+            self._requests[seq.request_id].samples[seq.index].generator,
             suppressed,
         )
-
-    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, non_finite: bool) -> None:
-        if non_finite:
-            seq.error = (
-                f"the model produced non-finite logits (NaN or inf) in {self.dtype}; "
-                "this usually means the dtype overflows: try --dtype bfloat16"
-            )
-            logger.error("request %s failed: %s", seq.request_id, seq.error)
-            self._finish(seq, "error")
-            return
-        seq.token_ids.append(token)
-        if seq.logprobs is not None and logprobs is not None:
-            seq.logprobs.append(logprobs)
-        p = seq.params
-        if token in p.stop_token_ids:
-            seq.stop_reason = token
-            self._finish(seq, "stop")
-            return
-        if token in self.eos_token_ids and not p.ignore_eos:
-            self._finish(seq, "stop")
-            return
-        if seq.detokenizer is not None:
-            stop_str = seq.detokenizer.add(token)
-            if stop_str is not None:
-                seq.stop_reason = stop_str
-                self._finish(seq, "stop")
-                return
-        if seq.num_output_tokens >= seq.max_tokens:
-            self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

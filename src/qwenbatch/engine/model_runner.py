@@ -19,8 +19,8 @@ from qwenbatch.layers.attention import (
     StepLayout,
     TorchAttentionMetadata,
 )
-from qwenbatch.layers.linear import onednn_available, pack_linears
 from qwenbatch.layers.sampler import SamplingRow, sample
+from qwenbatch.loader.kernels import ModelKernels
 from qwenbatch.models.config import ModelConfig
 from qwenbatch.sampling_params import SamplingParams
 
@@ -32,7 +32,6 @@ class ModelRunnerOutput:
     """One sampled token per generating sequence that sampled this step, in scheduling order, and one
     score per scoring sequence that finished its prompt."""
 
-    seq_ids: list[int]
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
     non_finite: list[bool]  # the sequence's logits held NaN/inf
@@ -75,28 +74,14 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        kernels: ModelKernels,
         attention_backend: str = "torch",
-        score_token_ids: tuple[int, int] | None = None,
-        quantization: str = "none",
+        score_weight: torch.Tensor | None = None,
     ) -> None:
-        # The reranker's two LM-head rows ("no", "yes"), in float32, taken before packing changes the layout.
-        self.score_weight = None
-        if score_token_ids is not None:
-            self.score_weight = model.lm_head.weight.detach()[list(score_token_ids)].float().clone()
-        self.linear_kernels = "torch"  # recorded in the log and in bench JSON
-        # int8 runs on our CPU kernels (layers/cpu_kernels.py), and so, once they are built, do the norms,
-        # SiLU * up and decode attention (a batch-1 step is otherwise half PyTorch per-op overhead).
-        cpu_kernels = quantization == "int8"
-        if cpu_kernels:
-            from qwenbatch.layers.cpu_kernels import kernels, use_cpu_kernels
-            from qwenbatch.layers.int8_linear import quantize_linears
-
-            quantize_linears(model)
-            use_cpu_kernels(model)
-            self.linear_kernels = f"int8-{kernels().isa()}"
-        if onednn_available(dtype, device) and pack_linears(model):  # what int8 left dense, or every linear
-            packed = f"onednn-prepacked-{str(dtype).removeprefix('torch.')}"
-            self.linear_kernels = packed if quantization == "none" else f"{self.linear_kernels}+{packed}"
+        """``model`` as ``loader.prepare_kernels`` laid it out (``kernels``); ``score_weight``: the reranker's
+        two LM-head rows ("no", "yes") in float32, taken before the layout changed."""
+        self.score_weight = score_weight
+        self.linear_kernels = kernels.linear_kernels  # recorded in the log and in bench JSON
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
@@ -108,7 +93,7 @@ class ModelRunner:
             from qwenbatch.layers.triton_backend import TritonAttentionMetadata
 
             self._metadata_class: type[AttentionMetadata] = TritonAttentionMetadata
-        elif cpu_kernels:
+        elif kernels.cpu_kernels:
             self._metadata_class = KernelAttentionMetadata
         else:
             self._metadata_class = TorchAttentionMetadata
@@ -204,7 +189,7 @@ class ModelRunner:
         sampling = [s.seq for s in sched.scheduled if s.samples]
         generate_rows = [r for r, seq in zip(sample_rows, sampling, strict=True) if not seq.score_only]
         score_rows = [r for r, seq in zip(sample_rows, sampling, strict=True) if seq.score_only]
-        out = ModelRunnerOutput([seq.seq_id for seq in sampling if not seq.score_only], [], [], [])
+        out = ModelRunnerOutput([], [], [])
         if generate_rows:
             sampled = sample(self.model.compute_logits(hidden[generate_rows]), rows)
             out.token_ids, out.logprobs, out.non_finite = sampled.token_ids, sampled.logprobs, sampled.non_finite

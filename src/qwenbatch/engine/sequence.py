@@ -1,14 +1,16 @@
-"""Sequence: one generated continuation and its progress through the engine."""
+"""Sequence: one generated continuation's tokens and its progress through the KV cache.
+
+Pure Python: the scheduler and the block manager import this, and neither needs torch or a
+tokenizer. What a sequence produces beyond its token ids (text, logprobs, its sampler's generator)
+lives on its request (``request.SampleState``).
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from qwenbatch.sampling_params import SamplingParams
-from qwenbatch.tokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
@@ -28,24 +30,15 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     max_tokens: int  # resolved against max_model_len
-    generator: torch.Generator | None = None
-    detokenizer: IncrementalDetokenizer | None = None
     priority: int = 0  # lower is served earlier (vLLM's convention); scheduler.py says how
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of its full blocks (memo)
     num_registered_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
-    logprobs: list[dict[int, float]] | None = None
+    # "stop", "length", "abort" or "error" once finished (CompletionOutput.finish_reason).
     finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    error: str | None = None
     score_only: bool = False  # a reranker pair: prefill, then P(yes) instead of a sampled token
-    score: float | None = None
-    # Streaming cursors: how much of the output has been reported as deltas.
-    num_streamed_tokens: int = 0
-    num_streamed_chars: int = 0
-    reported_finished: bool = False
 
     @property
     def num_tokens(self) -> int:

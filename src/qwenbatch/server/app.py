@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import sqlite3
@@ -18,17 +17,19 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from qwenbatch.batch_api.storage import BatchStore, KeyQuota
+from qwenbatch.batch_api.worker import BatchWorker
 from qwenbatch.config import EngineConfig
 from qwenbatch.engine.async_engine import AsyncEngine, EngineNotReadyError, EngineState
 from qwenbatch.engine.llm_engine import LLMEngine
 from qwenbatch.loader.default_model import cache_root
-from qwenbatch.server import batches, chat, completion, files, rerank
-from qwenbatch.server.batch_worker import BatchWorker
-from qwenbatch.server.common import APIError, ClientDisconnected, OrjsonResponse, ServerContext, unavailable
+from qwenbatch.server import batches, files, openai_routes
+from qwenbatch.server.common import ClientDisconnected, OrjsonResponse
 from qwenbatch.server.guard import GuardMiddleware, is_admin
 from qwenbatch.server.metrics import ServerMetrics
-from qwenbatch.server.protocol import ConfigUpdate
-from qwenbatch.server.storage import BatchStore, KeyQuota
+from qwenbatch.serving.api import OpenAIServingAPI
+from qwenbatch.serving.errors import APIError, engine_error, unavailable, validation_error
+from qwenbatch.serving.protocol import ConfigUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def build_app(
             engine.stop()
 
     app = FastAPI(title="qwenbatch", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.ctx = ServerContext(engine, names)
+    app.state.serving = serving = OpenAIServingAPI(engine, names)
     app.state.metrics = metrics
     app.state.settings = settings
     if settings.batch_api:
@@ -105,7 +106,7 @@ def build_app(
         # Batch lines in flight: enough to fill every batch slot, few enough to leave the waiting queue
         # (and, with priority, the seats) to interactive requests.
         capacity = max(1, min(2 * engine_config.max_num_seqs, settings.max_waiting_seqs // 2))
-        worker = BatchWorker(app, app.state.store, capacity)
+        worker = BatchWorker(serving, app.state.store, capacity, settings.max_body_bytes)
         app.state.batch_worker = worker
         metrics.track_batch_worker(lambda: worker.state)
     # With keys (the admin key counts) every route but /health needs one.
@@ -116,12 +117,9 @@ def build_app(
         body_timeout_s=settings.request_timeout_s,
         max_body_bytes=settings.max_body_bytes,
         max_file_bytes=settings.max_file_bytes,
-        internal_token=worker.token if worker else None,
     )
     _add_error_handlers(app)
-    app.include_router(chat.router)
-    app.include_router(completion.router)
-    app.include_router(rerank.router)
+    app.include_router(openai_routes.router)
     if settings.batch_api:
         app.include_router(files.router)
         app.include_router(batches.router)
@@ -135,13 +133,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return OrjsonResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError):
-        errors = e.errors() or [{"loc": (), "msg": "invalid request"}]
-        # For a union, pydantic reports each branch; a type mismatch of the wrong branch is the least useful.
-        first = next((err for err in errors if not str(err.get("type", "")).endswith("_type")), errors[0])
-        param = None if first.get("type") == "json_invalid" else _param_path(first.get("loc", ()))
-        message = f"{param}: {first['msg']}" if param else first["msg"]
-        return OrjsonResponse(APIError(400, message, param=param).body(), status_code=400)
+    async def invalid_request(_: Request, e: RequestValidationError):
+        return OrjsonResponse(validation_error(list(e.errors())).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException):
@@ -171,31 +164,17 @@ def _add_error_handlers(app: FastAPI) -> None:
         return OrjsonResponse(error.body(), status_code=503, headers={"Retry-After": "5"})
 
 
-# pydantic names the branch of a union it tried ("prompt.str", "content.list[TextPart]"); clients want the field.
-_UNION_BRANCHES = {
-    "str", "constrained-str", "int", "float", "bool", "dict", "list", "none", "function-after",
-    "TextPart", "ChatMessage", "RerankDocument",
-}  # fmt: skip
-
-
-def _param_path(loc: tuple) -> str | None:
-    if loc and loc[0] in ("body", "query", "path"):  # where the value came from, not part of its name
-        loc = loc[1:]
-    parts = [str(p) for p in loc]
-    parts = [p for p in parts if p not in _UNION_BRANCHES and "[" not in p]
-    return ".".join(parts) or None
-
-
 def _add_routes(app: FastAPI, settings: ServerSettings, names: list[str], metrics: ServerMetrics) -> None:
-    ctx: ServerContext = app.state.ctx
+    serving: OpenAIServingAPI = app.state.serving
+    engine = serving.engine
     created = int(time.time())
 
     @app.get("/health")
     async def health(request: Request):
-        state = ctx.engine.state
+        state = engine.state
         authenticated = "owner" in request.scope.get("state", {})  # only they see the errors' own words
         worker = getattr(request.app.state, "batch_worker", None)
-        if ctx.engine.is_healthy:
+        if engine.is_healthy:
             body: dict = {"status": "healthy"}
             if worker is not None and worker.state in ("retrying", "stopped"):
                 body["batch_worker"] = {"state": worker.state}
@@ -204,52 +183,44 @@ def _add_routes(app: FastAPI, settings: ServerSettings, names: list[str], metric
             return OrjsonResponse(body)
         body = {"status": state.value}
         if state is EngineState.DEAD and authenticated:
-            body["error"] = str(ctx.engine.error)
+            body["error"] = str(engine.error)
         return OrjsonResponse(body, status_code=503, headers={"Retry-After": "1"})
 
     @app.get("/v1/models")
     async def models():
-        max_len = ctx.engine.engine.max_model_len if ctx.engine.engine is not None else None
         data = [
-            {"id": name, "object": "model", "created": created, "owned_by": "qwenbatch", "max_model_len": max_len}
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "qwenbatch",
+                "max_model_len": engine.max_model_len,
+            }
             for name in names
         ]
         return OrjsonResponse({"object": "list", "data": data})
 
+    def effective_config() -> dict:
+        try:
+            snapshot = engine.config_snapshot()
+        except EngineNotReadyError as e:
+            raise unavailable(str(e)) from e
+        return {**snapshot.as_dict(), "served_model_names": names, "max_waiting_seqs": engine.max_waiting_seqs}
+
     @app.get("/config")
     async def get_config():
-        return OrjsonResponse(_effective_config(ctx))
+        return OrjsonResponse(effective_config())
 
     @app.post("/config")
     async def post_config(update: ConfigUpdate, request: Request):
         if not is_admin(request):
             raise APIError(403, "changing the config needs the admin API key", "permission_error")
         try:
-            await ctx.engine.update_limits(**update.model_dump(exclude_none=True))
-        except EngineNotReadyError as e:
-            raise unavailable(str(e)) from e
-        except ValueError as e:
-            raise APIError(400, str(e)) from e
-        return OrjsonResponse(_effective_config(ctx))
+            await engine.update_limits(**update.model_dump(exclude_none=True))
+        except (EngineNotReadyError, ValueError) as e:
+            raise engine_error(e) from e
+        return OrjsonResponse(effective_config())
 
     @app.get("/metrics")
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-def _effective_config(ctx: ServerContext) -> dict:
-    try:
-        engine = ctx.engine.ready_engine()
-    except EngineNotReadyError as e:
-        raise unavailable(str(e)) from e
-    bm = engine.block_manager
-    config = dataclasses.asdict(engine.config)
-    config.update(
-        served_model_names=ctx.served_model_names,
-        dtype=str(engine.dtype).removeprefix("torch."),
-        max_model_len=engine.max_model_len,
-        num_kv_blocks=bm.num_blocks,
-        num_kv_tokens=bm.num_blocks * bm.block_size,
-        max_waiting_seqs=ctx.engine.max_waiting_seqs,
-    )
-    return config

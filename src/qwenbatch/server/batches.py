@@ -1,7 +1,7 @@
 """OpenAI's Batch API: POST and GET /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel.
 
 Batches belong to the API key that made them (guard.owner_of), as files do: another key's batch is
-a 404. The work itself is the BatchWorker's (server/batch_worker.py); these routes only read and
+a 404. The work itself is the BatchWorker's (batch_api/worker.py); these routes only read and
 write the store and wake the worker.
 """
 
@@ -13,12 +13,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from qwenbatch.server.batch_worker import COMPLETION_WINDOWS, ENDPOINTS
-from qwenbatch.server.common import APIError, OrjsonResponse, list_page, quota_exceeded
+from qwenbatch.batch_api.storage import BatchRecord, BatchStore, QuotaExceeded
+from qwenbatch.batch_api.worker import COMPLETION_WINDOWS, ENDPOINTS
+from qwenbatch.server.common import OrjsonResponse, list_page
 from qwenbatch.server.files import not_found as file_not_found
+from qwenbatch.server.files import quota_exceeded
 from qwenbatch.server.guard import owner_of
-from qwenbatch.server.protocol import CreateBatchRequest
-from qwenbatch.server.storage import BatchRecord, BatchStore, QuotaExceeded
+from qwenbatch.serving.errors import APIError
+from qwenbatch.serving.protocol import CreateBatchRequest
 
 router = APIRouter()
 

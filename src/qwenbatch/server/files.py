@@ -12,9 +12,10 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
 
-from qwenbatch.server.common import APIError, OrjsonResponse, list_page, quota_exceeded
+from qwenbatch.batch_api.storage import BatchStore, FileTooLarge, QuotaExceeded
+from qwenbatch.server.common import OrjsonResponse, list_page
 from qwenbatch.server.guard import owner_of
-from qwenbatch.server.storage import BatchStore, FileTooLarge, QuotaExceeded
+from qwenbatch.serving.errors import APIError
 
 router = APIRouter()
 
@@ -23,6 +24,19 @@ UPLOAD_PURPOSES = ("batch",)
 
 def _store(request: Request) -> BatchStore:
     return request.app.state.store
+
+
+# storage.KeyQuota's fields -> the serve flags that set them
+QUOTA_FLAGS = {
+    "max_files": "--max-files-per-key",
+    "max_bytes": "--max-storage-per-key",
+    "max_open_batches": "--max-open-batches-per-key",
+}
+
+
+def quota_exceeded(e: QuotaExceeded) -> APIError:
+    """The 429 for a key at one of its store quotas, naming the flag that sets it."""
+    return APIError(429, f"{e} [{QUOTA_FLAGS[e.limit]}]", "rate_limit_error", code="quota_exceeded")
 
 
 def not_found(file_id: str) -> APIError:

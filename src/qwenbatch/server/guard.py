@@ -21,7 +21,6 @@ UPLOAD_PATHS = frozenset({"/v1/files"})  # POSTs here are streamed through, held
 # Room for the multipart framing and the small form fields around the file; the route holds the file
 # itself to max_file_bytes exactly.
 MULTIPART_SLACK_BYTES = 64 * 2**10
-INTERNAL_OWNER_HEADER = b"x-qwenbatch-owner"
 # A refused body is read and dropped up to this many bytes, so the client gets to read the 413.
 DRAIN_MAX_BYTES = 64 * 2**20
 
@@ -69,7 +68,6 @@ class GuardMiddleware:
         api_keys: Sequence[str],
         max_body_bytes: int,
         max_file_bytes: int,
-        internal_token: str | None = None,
         admin_api_key: str | None = None,
         body_timeout_s: float = 60.0,
     ) -> None:
@@ -78,9 +76,6 @@ class GuardMiddleware:
         every_key = [*api_keys, *([admin_api_key] if admin_api_key else [])]
         self.keys = tuple((key.encode(), owner_id(key)) for key in every_key)
         self.admin_key = admin_api_key.encode() if admin_api_key else None
-        # The batch worker's own requests (through an in-memory transport; the token never leaves the
-        # process) carry it, and name the owner of their batch in INTERNAL_OWNER_HEADER.
-        self.internal_token = internal_token.encode() if internal_token else None
         self.max_body_bytes = max_body_bytes
         self.max_file_bytes = max_file_bytes
         # A client that trickles its body (a byte a second) would hold a connection and its buffer forever:
@@ -117,10 +112,7 @@ class GuardMiddleware:
 
     def _owner(self, scope: Scope) -> str | None:
         """The identity of the request's key; "" when there are no keys; None when it has no valid key."""
-        headers = dict(scope["headers"])
         token = _bearer_token(scope)
-        if self.internal_token and token and hmac.compare_digest(token, self.internal_token):
-            return headers.get(INTERNAL_OWNER_HEADER, b"").decode()
         if not self.keys:
             return ""
         if not token:

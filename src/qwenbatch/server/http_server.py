@@ -18,7 +18,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from qwenbatch.server.app import ServerSettings
-from qwenbatch.server.common import APIError
+from qwenbatch.serving.errors import APIError
 
 _TIMEOUT_BODY = orjson.dumps(
     APIError(408, "the request's headers did not arrive in time (--request-timeout)", code="request_timeout").body()

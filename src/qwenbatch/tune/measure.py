@@ -106,7 +106,7 @@ def measure_engine(config: EngineConfig, requests: list[BenchRequest]) -> Measur
         start = time.perf_counter()
         for i, r in enumerate(requests):
             params = SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=r.ignore_eos)
-            engine.add(engine.make_request(f"tune-{i}", r.prompt_token_ids, params))
+            engine.add(engine.inputs.make_request(f"tune-{i}", r.prompt_token_ids, params))
         while engine.has_unfinished():
             for output in engine.step():
                 produced += output.num_output_tokens
@@ -139,7 +139,7 @@ def _warm_up(engine) -> None:
     from qwenbatch.sampling_params import SamplingParams
 
     base = min(1000, engine.model_config.vocab_size // 4)
-    engine.add(engine.make_request("tune-warmup", [base + i for i in range(8)], SamplingParams(max_tokens=2)))
+    engine.add(engine.inputs.make_request("tune-warmup", [base + i for i in range(8)], SamplingParams(max_tokens=2)))
     while engine.has_unfinished():
         engine.step()
 

@@ -1,35 +1,21 @@
-"""POST /v1/chat/completions: chat template, Qwen3 thinking split, streaming and not."""
+"""Chat completions: chat template, Qwen3 thinking split, streaming and not."""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
-import jinja2
-from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
-from starlette.concurrency import run_in_threadpool
+from pydantic import BaseModel
 
 from qwenbatch.engine.async_engine import EngineNotReadyError
+from qwenbatch.engine.input_processor import InputProcessor
 from qwenbatch.engine.request import EngineRequest
 from qwenbatch.outputs import CompletionOutput, RequestOutput
-from qwenbatch.server.common import (
-    SSE_DONE,
-    APIError,
-    OrjsonResponse,
-    ServerContext,
-    abort_on_disconnect,
-    check_text_size,
-    collect,
-    make_request,
-    sampling_params,
-    sse,
-    stream_error,
-    usage,
-)
-from qwenbatch.server.guard import allowed_priority
-from qwenbatch.server.protocol import (
+from qwenbatch.serving.base import OpenAIServing, collect, sampling_params, stream_error, usage
+from qwenbatch.serving.errors import APIError
+from qwenbatch.serving.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -44,59 +30,55 @@ from qwenbatch.server.protocol import (
 )
 from qwenbatch.tokenizer import THINK_END, THINK_START, ReasoningStream, Tokenizer, split_reasoning
 
-router = APIRouter()
 
+class OpenAIServingChat(OpenAIServing):
+    """``POST /v1/chat/completions``."""
 
-@router.post("/v1/chat/completions")
-async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
-    ctx: ServerContext = raw.app.state.ctx
-    engine = ctx.admit(body.model, body.n, param="n")
-    tokenizer = engine.tokenizer
-    if tokenizer is None:
-        raise APIError(400, "this model has no tokenizer (dummy weights); use /v1/completions with token ids")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    if body.truncate_prompt_tokens is None:
-        check_text_size(engine, sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), "messages")
-    top_logprobs = body.top_logprobs or 0
-    params = sampling_params(
-        body, body.max_completion_tokens or body.max_tokens, top_logprobs if body.logprobs else None
-    )
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    priority = allowed_priority(raw, body.priority)
-
-    def tokenize() -> tuple[str, EngineRequest]:
-        try:
-            prompt = tokenizer.apply_chat_template(
-                messages, enable_thinking=body.thinking(), add_generation_prompt=body.add_generation_prompt
-            )
-        except (ValueError, TypeError, jinja2.TemplateError) as e:
-            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
-        truncate = body.truncate_prompt_tokens
-        return prompt, make_request(engine, request_id, prompt, params, body.stream, truncate, "messages", priority)
-
-    # Off the event loop: a long conversation's template and tokens would stall every other request.
-    prompt, request = await run_in_threadpool(tokenize)
-    view = _ChatView(
-        request_id,
-        ctx.model_name,
-        tokenizer,
-        # Split <think>...</think> off only for models that have the tokens (Qwen3), as vLLM's qwen3 parser.
-        thinking=tokenizer.has_token(THINK_END),
-        opened=prompt.rstrip().endswith(THINK_START),
-        return_reasoning=body.return_reasoning is not False,
-        top_logprobs=top_logprobs if body.logprobs else None,
-    )
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        [stream] = ctx.open_streams([request])
-        return StreamingResponse(
-            _stream(ctx, raw, request, stream, view, include_usage), media_type="text/event-stream"
+    async def create(
+        self, body: ChatCompletionRequest, priority: int = 0
+    ) -> ChatCompletion | AsyncIterator[BaseModel | dict]:
+        """The completion, or for ``stream`` an iterator of chunks (an error body ends a failed one)."""
+        inputs = self.admit(body.model, body.n, param="n")
+        tokenizer = inputs.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer (dummy weights); use /v1/completions with token ids")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        top_logprobs = body.top_logprobs or 0
+        params = sampling_params(
+            body, body.max_completion_tokens or body.max_tokens, top_logprobs if body.logprobs else None
         )
-    [output] = await collect(ctx.open_streams([request]), raw)
-    choices = [view.choice(c) for c in output.outputs]
-    totals = usage(output.num_prompt_tokens, output.num_output_tokens)
-    response = ChatCompletion(id=request_id, created=view.created, model=view.model, choices=choices, usage=totals)
-    return OrjsonResponse(response.model_dump(exclude_none=True))
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        truncate = body.truncate_prompt_tokens
+        if truncate is None:
+            size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
+            try:
+                inputs.check_text_size(size)
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from e
+
+        def tokenize(inputs: InputProcessor) -> tuple[str, EngineRequest]:
+            prompt = inputs.chat_prompt(messages, body.thinking(), body.add_generation_prompt)
+            return prompt, inputs.make_request(request_id, prompt, params, body.stream, priority, truncate)
+
+        prompt, request = await self.process(tokenize, param="messages")
+        view = _ChatView(
+            request_id,
+            self.model_name,
+            tokenizer,
+            # Split <think>...</think> off only for models that have the tokens (Qwen3), as vLLM's qwen3 parser.
+            thinking=tokenizer.has_token(THINK_END),
+            opened=prompt.rstrip().endswith(THINK_START),
+            return_reasoning=body.return_reasoning is not False,
+            top_logprobs=top_logprobs if body.logprobs else None,
+        )
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            [stream] = self.open_streams([request])
+            return _stream(request, stream, view, include_usage)
+        [output] = await collect(self.open_streams([request]))
+        choices = [view.choice(c) for c in output.outputs]
+        totals = usage(output.num_prompt_tokens, output.num_output_tokens)
+        return ChatCompletion(id=request_id, created=view.created, model=view.model, choices=choices, usage=totals)
 
 
 class _ChatView:
@@ -175,29 +157,25 @@ class _ChatView:
 
 
 async def _stream(
-    ctx: ServerContext,
-    raw: Request,
     request: EngineRequest,
     outputs: AsyncIterator[RequestOutput],
     view: _ChatView,
     include_usage: bool,
-) -> AsyncIterator[bytes]:
-    watcher = abort_on_disconnect(raw, ctx.engine, [request.request_id])
+) -> AsyncIterator[BaseModel | dict]:
     num_output = 0
-    try:
-        roles = [
-            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(len(request.seqs))
-        ]
-        yield sse(view.chunk(roles))
-        async for output in outputs:
-            num_output += sum(len(c.token_ids) for c in output.outputs)
-            choices = [choice for c in output.outputs if (choice := view.delta_choice(c)) is not None]
-            if choices:
-                yield sse(view.chunk(choices))
-        if include_usage:
-            yield sse(view.chunk([], usage(len(request.prompt_token_ids), num_output)))
-    except (EngineNotReadyError, ValueError) as e:
-        yield stream_error(e)
-    finally:
-        watcher.cancel()
-    yield SSE_DONE
+    async with aclosing(outputs):  # closing this stream early aborts the request
+        try:
+            roles = [
+                ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                for i in range(len(request.seqs))
+            ]
+            yield view.chunk(roles)
+            async for output in outputs:
+                num_output += sum(len(c.token_ids) for c in output.outputs)
+                choices = [choice for c in output.outputs if (choice := view.delta_choice(c)) is not None]
+                if choices:
+                    yield view.chunk(choices)
+            if include_usage:
+                yield view.chunk([], usage(len(request.prompt_token_ids), num_output))
+        except (EngineNotReadyError, ValueError) as e:
+            yield stream_error(e)

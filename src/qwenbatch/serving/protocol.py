@@ -34,6 +34,10 @@ def _holds_non_unicode(value: Any) -> bool:
     return False
 
 
+# The routes a batch line may name (OpenAI's Batch API: /v1/chat/completions and /v1/completions; ours adds rerank).
+CHAT_URL, COMPLETIONS_URL, RERANK_URL = "/v1/chat/completions", "/v1/completions", "/v1/rerank"
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 

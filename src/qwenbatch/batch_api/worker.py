@@ -7,8 +7,8 @@ of the next begins, so a server killed anywhere resumes where it stopped:
 - validating: the input file is checked line by line (every error reported, OpenAI's shape) and
   copied into the batch's own folder, so deleting the upload later cannot break the run;
 - in_progress: the lines go through ``batch.runner.run_batch`` (run-batch's exactly-once result log:
-  a restart skips every line already answered) against this app over an in-memory transport, as
-  the batch's owner and at ``BATCH_PRIORITY``, so interactive requests are served first;
+  a restart skips every line already answered) into the serving layer the HTTP routes call, at the
+  scheduler's ``BACKGROUND_PRIORITY``, so interactive requests are served first;
 - finalizing: the results are put in input order and split into the output file (answers) and the
   error file (errors), each recorded as soon as it exists, so a restart does not make it twice.
 
@@ -23,107 +23,46 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import shutil
 import sqlite3
 import time
 from pathlib import Path
 
-import httpx
 import orjson
 
-from qwenbatch.batch.backends import response_json
-from qwenbatch.batch.jsonl import (
-    CHAT_URL,
-    COMPLETIONS_URL,
-    DUPLICATE,
-    RERANK_URL,
-    ResultLog,
-    bounded_lines,
-    parse_lines,
-    write_in_input_order,
-)
+from qwenbatch.batch.backends import EngineUnavailable, ServingBackend
+from qwenbatch.batch.fair_share import FairShare
+from qwenbatch.batch.jsonl import DUPLICATE, ResultLog, bounded_lines, parse_lines, write_in_input_order
 from qwenbatch.batch.runner import BatchOptions, run_batch, succeeded
-from qwenbatch.server.fair_share import FairShare
-from qwenbatch.server.guard import INTERNAL_OWNER_HEADER
-from qwenbatch.server.storage import BatchError, BatchRecord, BatchStore, RequestCounts, derived_file_id
+from qwenbatch.batch_api.storage import BatchError, BatchRecord, BatchStore, RequestCounts, derived_file_id
+from qwenbatch.engine.async_engine import EngineState
+from qwenbatch.engine.scheduler import BACKGROUND_PRIORITY
+from qwenbatch.serving.api import OpenAIServingAPI
+from qwenbatch.serving.protocol import CHAT_URL, COMPLETIONS_URL, RERANK_URL
 
 logger = logging.getLogger(__name__)
 
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, RERANK_URL)
 COMPLETION_WINDOWS = {"24h": 24 * 3600}  # OpenAI's only window
-BATCH_PRIORITY = 1  # interactive requests have 0; lower is served first
 MAX_REPORTED_ERRORS = 100  # a failed validation lists this many line errors at most
 PROGRESS_INTERVAL_S = 1.0  # how often request_counts are written while a batch runs
 # After an error that is not one batch's (the store locked or its disk failing), the worker waits this
 # long, doubling up to the cap, and starts over from the store: nothing is lost, the batch resumes.
 RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 60.0
-BUSY_STATUSES = frozenset({429, 503})  # retried: the queue is full for now, or the engine is going away
-RETRY_FIRST_DELAY_S, RETRY_MAX_DELAY_S = 0.05, 2.0
 _PARAM_OF_CODE = {"invalid_url": "url", "invalid_method": "method", "invalid_body": "body", DUPLICATE: "custom_id"}
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine stopped or died while a batch ran; the batch stays in progress."""
-
-
-class AppBackend:
-    """A run-batch backend that is this server's own app, through httpx's in-memory transport; with
-    ``fair_share``, each line waits for one of its owner's slots in it before it is sent."""
-
-    def __init__(self, app, token: str, owner: str, capacity: int, fair_share: FairShare | None = None) -> None:
-        self.app = app
-        self.capacity = capacity
-        self.owner = owner
-        self.fair_share = fair_share
-        self._headers = {"authorization": f"Bearer {token}", INTERNAL_OWNER_HEADER.decode(): owner}
-        self._client: httpx.AsyncClient | None = None
-
-    async def start(self) -> None:
-        transport = httpx.ASGITransport(app=self.app)
-        self._client = httpx.AsyncClient(
-            transport=transport, base_url="http://batch-worker", timeout=None, headers=self._headers
-        )
-
-    async def send(self, url: str, body: dict) -> tuple[int, dict]:
-        """The app's answer; a busy answer (429, 503: the queue is full) is retried, never recorded,
-        and EngineUnavailable ends the run when the engine is gone (the batch resumes at the next start)."""
-        priority = body.get("priority")
-        body = {**body, "priority": max(BATCH_PRIORITY, priority if isinstance(priority, int) else 0)}
-        if self.fair_share is None:
-            return await self._send(url, orjson.dumps(body))
-        async with self.fair_share.slot(self.owner):
-            return await self._send(url, orjson.dumps(body))
-
-    async def _send(self, url: str, content: bytes) -> tuple[int, dict]:
-        delay = RETRY_FIRST_DELAY_S
-        while True:
-            response = await self._client.post(url, content=content, headers={"content-type": "application/json"})
-            if response.status_code not in BUSY_STATUSES:
-                break
-            if not self.app.state.ctx.engine.is_healthy:
-                raise EngineUnavailable(f"the engine is {self.app.state.ctx.engine.state.value}")
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, RETRY_MAX_DELAY_S)
-        return response.status_code, response_json(response)
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
 
 
 class BatchWorker:
     """Runs the store's unfinished batches from the app's event loop: one at a time per key, oldest first,
     the keys side by side with fair shares of ``capacity``."""
 
-    def __init__(self, app, store: BatchStore, capacity: int) -> None:
-        self.app = app
+    def __init__(self, serving: OpenAIServingAPI, store: BatchStore, capacity: int, max_line_bytes: int) -> None:
+        self.serving = serving
         self.store = store
         self.capacity = capacity  # lines in flight, all keys together: fill the engine, leave room in the queue
+        self.max_line_bytes = max_line_bytes  # a line longer than the longest request body fails validation
         self.fair_share = FairShare(capacity)
-        self.token = secrets.token_urlsafe(32)  # for the guard: this worker's requests, and no one else's
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._owner_runs: dict[str, asyncio.Task] = {}  # owner -> the task running its batches, one by one
@@ -178,9 +117,7 @@ class BatchWorker:
     async def _run_batches(self) -> None:
         """Start a run for every key with unfinished batches; a run's error that is not one batch's own
         (the store, the disk, the engine) ends them all and goes to the supervisor."""
-        from qwenbatch.engine.async_engine import EngineState
-
-        engine = self.app.state.ctx.engine
+        engine = self.serving.engine
         while engine.state is EngineState.LOADING:
             await asyncio.sleep(0.1)
         try:
@@ -239,9 +176,8 @@ class BatchWorker:
         shutil.copyfile(source, tmp)
         errors, total = [], 0
         # No line may be longer than the longest request body: read in bounded pieces, never whole.
-        max_chars = self.app.state.settings.max_body_bytes
         with open(tmp, encoding="utf-8-sig", errors="replace") as f:
-            for line in parse_lines(bounded_lines(f, max_chars), "openai", endpoints=(batch.endpoint,)):
+            for line in parse_lines(bounded_lines(f, self.max_line_bytes), "openai", endpoints=(batch.endpoint,)):
                 total += 1
                 if not line.valid:
                     message = line.error_message
@@ -279,7 +215,7 @@ class BatchWorker:
             ok = succeeded(result)
             counts = RequestCounts(counts.total, counts.completed + ok, counts.failed + (not ok))
 
-        backend = AppBackend(self.app, self.token, batch.owner, self.capacity, self.fair_share)
+        backend = ServingBackend(self.serving, self.capacity, BACKGROUND_PRIORITY, self.fair_share, batch.owner)
         options = BatchOptions(input_format="openai", resume=True, progress=False)
         run = asyncio.ensure_future(run_batch(folder / "input.jsonl", results, backend, options, on_result))
         self._running[batch.id] = run

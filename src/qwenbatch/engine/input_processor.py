@@ -1,0 +1,185 @@
+"""InputProcessor: prompts in, validated ``EngineRequest``s out (tokenizing, chat and reranker formatting).
+
+Everything here is a pure function of the request and the model's fixed facts (tokenizer, vocabulary,
+``max_model_len``), so it runs on any thread: the server tokenizes off its event loop, the engine thread
+never waits on it. Every refusal is a ValueError whose message names the numbers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import jinja2
+import torch
+
+from qwenbatch.engine.request import EngineRequest, SampleState
+from qwenbatch.engine.sequence import Sequence
+from qwenbatch.rerank import RerankFormatter
+from qwenbatch.sampling_params import SamplingParams
+from qwenbatch.tokenizer import IncrementalDetokenizer, Tokenizer
+
+NOT_A_RERANKER = "this model does not score pairs: serve a Qwen3-Reranker, or pass --task rerank"
+NO_TOKENIZER = "this model has no tokenizer (dummy weights): pass prompt token ids"
+SCORE_PARAMS = SamplingParams(temperature=0, max_tokens=1)  # placeholder: score-only sequences never sample
+# A token is at least one byte of text in any tokenizer we serve (most are 3-4), so a prompt of more than
+# this many bytes per max_model_len token cannot fit: it is refused before tokenizing a byte of it.
+MAX_PROMPT_BYTES_PER_TOKEN = 16
+
+
+def _check_priority(priority: int) -> None:
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TypeError(f"priority must be an int, not {type(priority).__name__}")
+
+
+class InputProcessor:
+    """Turns prompts into requests for one loaded model; thread-safe."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        max_model_len: int,
+        rerank_formatter: RerankFormatter | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self._rerank_formatter = rerank_formatter
+        self._seq_ids = itertools.count()  # next() on it is atomic under the GIL
+
+    # -- text ---------------------------------------------------------------------------------------
+
+    def check_text_size(self, num_bytes: int) -> None:
+        """ValueError when ``num_bytes`` of text could not fit max_model_len, whatever its tokens."""
+        limit = self.max_model_len * MAX_PROMPT_BYTES_PER_TOKEN
+        if num_bytes > limit:
+            raise ValueError(
+                f"the prompt has {num_bytes} bytes of text: more than {limit} cannot fit "
+                f"max_model_len ({self.max_model_len} tokens)"
+            )
+
+    def chat_prompt(
+        self, messages: list[dict], enable_thinking: bool | None = None, add_generation_prompt: bool = True
+    ) -> str:
+        """The conversation through the model's chat template; ValueError if it has none or it fails."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer (dummy weights); use completions with token ids")
+        try:
+            return self.tokenizer.apply_chat_template(messages, enable_thinking, add_generation_prompt)
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            raise ValueError(f"cannot apply the chat template: {e}") from e
+
+    # -- generation ---------------------------------------------------------------------------------
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        stream: bool = False,
+        priority: int = 0,
+        truncate_prompt_tokens: int | None = None,
+    ) -> EngineRequest:
+        """Tokenize (keeping the last ``truncate_prompt_tokens``, if given) and validate a request.
+
+        ``stream=True`` makes the engine report the request's new tokens every step it samples.
+        ``priority``: lower is served earlier (vLLM's convention); see scheduler.py.
+        """
+        _check_priority(priority)
+        prompt_text, token_ids = self._tokenize(prompt, truncate_prompt_tokens)
+        self._check_token_ids(token_ids)
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size})")
+        n_prompt = len(token_ids)
+        if n_prompt >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n_prompt} tokens; max_model_len is {self.max_model_len}, "
+                "which leaves no room to generate"
+            )
+        room = self.max_model_len - n_prompt
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room:
+            raise ValueError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds max_model_len ({self.max_model_len})"
+            )
+        seqs = [
+            Sequence(next(self._seq_ids), request_id, i, list(token_ids), n_prompt, params, max_tokens, priority)
+            for i in range(params.n)
+        ]
+        samples = [self._sample_state(params, i) for i in range(params.n)]
+        return EngineRequest(
+            request_id, prompt_text, token_ids, seqs, samples, stream, priority, arrival_time=time.monotonic()
+        )
+
+    def _tokenize(self, prompt: str | list[int], truncate_prompt_tokens: int | None) -> tuple[str | None, list[int]]:
+        if not isinstance(prompt, str):
+            token_ids = list(prompt)
+            return None, token_ids if truncate_prompt_tokens is None else token_ids[-truncate_prompt_tokens:]
+        if self.tokenizer is None:
+            raise ValueError(NO_TOKENIZER)
+        try:
+            num_bytes = len(prompt.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the prompt is not valid Unicode text ({e.reason} at {e.start})") from e
+        if truncate_prompt_tokens is None:
+            self.check_text_size(num_bytes)
+            return prompt, self.tokenizer.encode(prompt)
+        return None, self.tokenizer.encode(prompt)[-truncate_prompt_tokens:]
+
+    def _check_token_ids(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+
+    def _sample_state(self, params: SamplingParams, index: int) -> SampleState:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed((params.seed + index) % 2**64)
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
+            )
+        return SampleState(generator, detokenizer, logprobs=[] if params.logprobs is not None else None)
+
+    # -- scoring (reranker) -------------------------------------------------------------------------
+
+    @property
+    def rerank_formatter(self) -> RerankFormatter:
+        """Builds reranker prompts; ValueError when the model does not score (not --task rerank)."""
+        if self._rerank_formatter is None:
+            raise ValueError(NOT_A_RERANKER)
+        return self._rerank_formatter
+
+    def make_score_request(self, request_id: str, token_ids: list[int], priority: int = 0) -> EngineRequest:
+        """A request that prefills ``token_ids`` and reports P(yes) at the last position (reranker)."""
+        _check_priority(priority)
+        if self._rerank_formatter is None:
+            raise ValueError(NOT_A_RERANKER)
+        self._check_token_ids(token_ids)
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"the pair has {len(token_ids)} tokens; max_model_len is {self.max_model_len}")
+        n = len(token_ids)
+        seq = Sequence(next(self._seq_ids), request_id, 0, list(token_ids), n, SCORE_PARAMS, 1, priority)
+        seq.score_only = True
+        return EngineRequest(
+            request_id, None, list(token_ids), [seq], [SampleState()], priority=priority, arrival_time=time.monotonic()
+        )
+
+    def make_score_requests(
+        self, base_id: str, pairs: list[tuple[str, str]], instruction: str | None = None, priority: int = 0
+    ) -> tuple[list[EngineRequest], list[int]]:
+        """One score request per (query, document) pair, ids ``{base_id}-{i}``, and the body tokens that
+        truncation dropped from each; ValueError naming the pair that cannot be scored."""
+        formatter = self.rerank_formatter
+        requests, truncated = [], []
+        for i, (query, document) in enumerate(pairs):
+            prompt = formatter.build(query, document, instruction)
+            try:
+                requests.append(self.make_score_request(f"{base_id}-{i}", prompt.token_ids, priority))
+            except ValueError as e:
+                raise ValueError(f"pair {i}: {e}") from e
+            truncated.append(prompt.truncated_tokens)
+        return requests, truncated

@@ -1,0 +1,159 @@
+"""What the handlers share: admission through the engine client, tokenizing off the event loop, collecting
+and merging engine streams, sampling fields -> SamplingParams, usage."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+from qwenbatch.engine.async_engine import AsyncEngine, EngineNotReadyError, QueueFullError
+from qwenbatch.engine.input_processor import InputProcessor
+from qwenbatch.engine.request import EngineRequest
+from qwenbatch.outputs import RequestOutput
+from qwenbatch.sampling_params import SamplingParams
+from qwenbatch.serving.errors import APIError, engine_error, unavailable
+from qwenbatch.serving.protocol import Usage, _SamplingFields
+
+T = TypeVar("T")
+Streams = list[AsyncIterator[RequestOutput]]
+
+
+class OpenAIServing:
+    """A handler's access to the engine: one engine client and the model names it answers to."""
+
+    def __init__(self, engine: AsyncEngine, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def admit(self, model: str | None, num_seqs: int = 1, param: str | None = None) -> InputProcessor:
+        """The input processor for a request naming ``model`` that makes ``num_seqs`` sequences: 404 if the
+        model is unknown, 503 if loading or the queue has no room for them, 400 naming ``param`` if it never can."""
+        if model is not None and model not in self.served_model_names:
+            raise APIError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+        try:
+            self.engine.check_capacity(num_seqs)
+            return self.engine.inputs
+        except (EngineNotReadyError, QueueFullError, ValueError) as e:
+            raise engine_error(e, param) from e
+
+    async def process(self, work: Callable[[InputProcessor], T], param: str | None = None) -> T:
+        """``work(inputs)`` off the event loop (tokenizing takes time in proportion to text); a ValueError
+        becomes a 400 naming ``param``."""
+        try:
+            return await self.engine.process_inputs(work)
+        except (EngineNotReadyError, ValueError) as e:
+            raise engine_error(e, param) from e
+
+    def open_streams(self, requests: list[EngineRequest]) -> Streams:
+        """Queue one API request's engine requests, all or none: 503 if the queue has no room for them
+        now (other requests took it while these were tokenized), 400 if they can never fit."""
+        try:
+            return self.engine.open_streams(requests)
+        except (EngineNotReadyError, QueueFullError, ValueError) as e:
+            raise engine_error(e) from e
+
+
+async def collect(streams: Streams) -> list[RequestOutput]:
+    """The final output of each engine stream. Cancelling the caller cancels (and so aborts) them all."""
+
+    async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+        final = None
+        async for output in stream:
+            final = output
+        return final
+
+    tasks = [asyncio.ensure_future(last(s)) for s in streams]
+    try:
+        outputs = await asyncio.gather(*tasks)
+    except EngineNotReadyError as e:  # the engine died while the request ran
+        raise unavailable(str(e)) from e
+    except ValueError as e:  # the engine refused the request when it arrived
+        raise APIError(400, str(e)) from e
+    finally:
+        for task in tasks:  # after a failure (or the caller's cancellation) the others stop too
+            task.cancel()
+    if any(o is None or not o.finished for o in outputs):
+        raise unavailable("the request was aborted (the server is shutting down)")
+    return outputs
+
+
+async def merge(streams: Streams) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several engine streams as outputs arrive: ``(stream index, output)``. Closing it (or
+    cancelling its reader) cancels, and so aborts, the streams still running."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                await queue.put((i, output))
+        except Exception as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def stream_error(error: Exception) -> dict:
+    """The error body that ends a stream which failed after it began (vLLM sends the same shape)."""
+    if isinstance(error, EngineNotReadyError):
+        return unavailable(str(error)).body()
+    return APIError(400, str(error)).body()
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )
+
+
+_PARAM_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+) ")
+
+
+def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The request's sampling fields as SamplingParams; 400 naming the field when one is invalid."""
+    values = dict(
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=req.seed,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+    try:
+        return SamplingParams(**values)
+    except ValueError as e:
+        message = str(e)
+        match = _PARAM_IN_MESSAGE.search(message)
+        raise APIError(400, message.replace("SamplingParams.", ""), param=match and match.group(1)) from e
