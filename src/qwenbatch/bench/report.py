@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from qwenbatch.bench import throughput
 from qwenbatch.bench.workloads import BenchRequest
 from qwenbatch.config import EngineConfig
@@ -55,17 +57,43 @@ def throughput_report(
     return report
 
 
+def usd_per_million_output_tokens(output_tps: float, price_per_hour: float) -> float:
+    """What a million output tokens cost on a machine rented at ``price_per_hour`` dollars that generates
+    ``output_tps`` tokens/s: the price of the hours it takes, price_per_hour / (output_tps * 3600) * 1e6."""
+    check_price_per_hour(price_per_hour)
+    if not output_tps > 0:
+        raise ValueError(f"output tokens/s must be positive to price a run, got {output_tps}")
+    return price_per_hour / (output_tps * 3600) * 1e6
+
+
+def check_price_per_hour(price_per_hour: float) -> None:
+    """ValueError unless the price is a finite positive number of dollars an hour."""
+    if not (math.isfinite(price_per_hour) and price_per_hour > 0):
+        raise ValueError(f"--price-per-hour must be a positive number of dollars, got {price_per_hour}")
+
+
+def add_costs(report: dict, price_per_hour: float) -> dict:
+    """Record ``price_per_hour`` in the report and each system's ``usd_per_million_output_tokens``
+    at that price (every system ran on this machine, so each is priced the same); returns the report."""
+    check_price_per_hour(price_per_hour)
+    report["price_per_hour"] = price_per_hour
+    for system in report["systems"]:
+        system["usd_per_million_output_tokens"] = usd_per_million_output_tokens(system["output_tps"], price_per_hour)
+    return report
+
+
 def format_report(report: dict) -> str:
     """The report as the table and lines the CLI prints."""
+    priced = "price_per_hour" in report
     lines = [
         f"{'system':<34} {'reqs':>5} {'prompt':>7} {'output':>7} {'wall s':>7} {'out tok/s':>10} "
-        f"{'tot tok/s':>10} {'peak RSS MiB':>12}"
+        f"{'tot tok/s':>10} {'peak RSS MiB':>12}" + (f" {'$/1M out':>10}" if priced else "")
     ]
     for r in report["systems"]:
         lines.append(
             f"{r['system']:<34} {r['requests']:>5} {r['prompt_tokens']:>7} {r['output_tokens']:>7} "
             f"{r['wall_s']:>7.1f} {r['output_tps']:>10.1f} {r['total_tps']:>10.1f} "
-            f"{r['peak_rss_mib']:>12.0f}"
+            f"{r['peak_rss_mib']:>12.0f}" + (f" {r['usd_per_million_output_tokens']:>10.4f}" if priced else "")
         )
     ours, m = report["systems"][0]["extra"], report["machine"]
     lines.append(
@@ -81,6 +109,11 @@ def format_report(report: dict) -> str:
     if "ratio_output_tps_llama_cpp" in report:
         lines.append(f"ratio output tok/s (ours / llama.cpp): {report['ratio_output_tps_llama_cpp']:.2f}")
     lines.append(f"linears: {ours['linear_kernels']} on {ours['device']}")
+    if priced:
+        lines.append(
+            f"cost at ${report['price_per_hour']:.2f}/hour: $ per 1M output tokens = price per hour / "
+            "(output tok/s x 3600) x 1e6"
+        )
     if "prefix_caching_speedup" in report:
         lines.append(f"prefix caching speed-up end to end: {report['prefix_caching_speedup']:.2f}x")
     if "batch1" in report:

@@ -33,6 +33,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--compare-prefix-caching", action="store_true", help="run ours twice, with and without prefix caching"
     )
     tp.add_argument("--batch1", action="store_true", help="also measure batch-1 decode against memory bandwidth")
+    tp.add_argument(
+        "--price-per-hour",
+        type=float,
+        metavar="USD",
+        help="the machine's hourly price in dollars: also print and record each system's $ per 1M output tokens",
+    )
     tp.add_argument("--output", type=Path, help="write the results as JSON here")
     add_engine_args(tp)
     tp.set_defaults(func=run)
@@ -64,10 +70,12 @@ def run(args: argparse.Namespace) -> int:
     """Run the sub-command; returns the exit code (errors raise ValueError for a one-line message)."""
     import json
 
-    from qwenbatch.bench.report import format_report, throughput_report
+    from qwenbatch.bench.report import add_costs, check_price_per_hour, format_report, throughput_report
     from qwenbatch.bench.workloads import WORKLOADS, parse_range, random_workload
     from qwenbatch.loader import model_config_of
 
+    if args.price_per_hour is not None:
+        check_price_per_hour(args.price_per_hour)  # before the run, not after minutes of it
     config = engine_config_from_args(args)
     vocab = model_config_of(config).vocab_size  # random prompt tokens must fit the model's vocabulary
     if args.workload == "random":
@@ -81,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     report = throughput_report(
         config, args.workload, requests, sizes, args.compare_prefix_caching, args.batch1, "llama.cpp" in baselines
     )
+    if args.price_per_hour is not None:
+        add_costs(report, args.price_per_hour)
     print(format_report(report))
     if args.output:
         args.output.write_text(json.dumps(report, indent=2))
