@@ -5,7 +5,9 @@
   built in, tini passing SIGTERM on; the CPU image's torch is the version pyproject.toml pins.
 - Where a container engine answers (``docker info``), the CPU image is built and started: it serves the built-in
   model without building it, as uid 10001, writes the Batch API's files to /data, turns healthy, and
-  ``docker stop`` lets an in-flight stream finish and exits 0.
+  ``docker stop`` lets an in-flight stream finish and exits 0. The CUDA image is built on a stand-in for its
+  PyTorch base (the pinned torch in the system interpreter, no CUDA): it keeps the base's torch, and without a
+  GPU it stops with the one-line error.
 - Every manifest under deploy/k8s validates offline against the Kubernetes API's schemas (kubernetes-validate,
   strict, the oldest and newest versions we support); KEDA's ScaledObject and the Prometheus Operator's
   ServiceMonitor, which it has no schemas for, against the fields their CRDs document (below).
@@ -158,13 +160,17 @@ def pyproject() -> dict:
 BUILD_TIMEOUT_S = 3600  # a first build downloads the dependencies (~1 GB) and builds the model cache
 TEST_IMAGE = "qwenbatch-test:cpu"
 TEST_BASE_IMAGE = "qwenbatch-test/debian-python:bookworm"
+STANDIN_IMAGE = "qwenbatch-test/pytorch-standin"
+TEST_CUDA_IMAGE = "qwenbatch-test:cuda"
 API_KEY = "test-key"
 
 
-def docker(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+def docker(
+    *args: str, timeout: float = 120, check: bool = True, stdin: str | None = None
+) -> subprocess.CompletedProcess:
     # The classic builder: BuildKit needs the buildx plugin, which a distribution's docker may lack.
     env = {**os.environ, "DOCKER_BUILDKIT": "0"}
-    result = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    result = subprocess.run(["docker", *args], input=stdin, capture_output=True, text=True, timeout=timeout, env=env)
     if check:
         assert result.returncode == 0, f"docker {shlex.join(args)}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
@@ -273,24 +279,30 @@ def torch_index() -> Iterator[list[str]]:
 
 
 @pytest.fixture(scope="module")
-def cpu_image(docker_engine) -> str:
-    base = python_base_image()
-    with torch_index() as index_args:
-        docker(
-            "build",
-            "--network",
-            "host",
-            "--build-arg",
-            f"PYTHON_IMAGE={base}",
-            *index_args,
-            "-t",
-            TEST_IMAGE,
-            "-f",
-            str(ROOT / "Dockerfile"),
-            str(ROOT),
-            timeout=BUILD_TIMEOUT_S,
-        )
-    return TEST_IMAGE
+def index_args(docker_engine) -> Iterator[list[str]]:
+    with torch_index() as args:
+        yield args
+
+
+def build(dockerfile: Path, tag: str, *build_args: str) -> str:
+    docker(
+        "build",
+        "--network",
+        "host",
+        *build_args,
+        "-t",
+        tag,
+        "-f",
+        str(dockerfile),
+        str(ROOT),
+        timeout=BUILD_TIMEOUT_S,
+    )
+    return tag
+
+
+@pytest.fixture(scope="module")
+def cpu_image(index_args) -> str:
+    return build(ROOT / "Dockerfile", TEST_IMAGE, "--build-arg", f"PYTHON_IMAGE={python_base_image()}", *index_args)
 
 
 @pytest.fixture
@@ -372,6 +384,36 @@ def test_the_cpu_image_serves_the_built_in_model_and_drains_on_docker_stop(conta
     thread.join(60)
     assert seen["finish"] == "length", seen  # the stream in flight ran to its end
     assert docker("inspect", "--format", "{{.State.ExitCode}}", name).stdout.strip() == "0"
+
+
+def test_the_cuda_image_builds_on_a_pytorch_base_and_without_a_gpu_stops_in_one_line(index_args):
+    # A stand-in for the PyTorch base: the pinned torch (its CPU build) in the system interpreter, where the
+    # PyTorch images keep theirs, and no CUDA. The image must use that torch, not install a second one.
+    torch_version = next(
+        a.split("=", 1)[1] for w, a in instructions(ROOT / "Dockerfile") if a.startswith("TORCH_VERSION=")
+    )
+    standin = "\n".join(
+        [
+            f"FROM {python_base_image()}",
+            "RUN python3 -m pip --version || (apt-get update"
+            " && apt-get install -y --no-install-recommends python3-pip && rm -rf /var/lib/apt/lists/*)",
+            "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu",
+            'RUN python3 -m pip install --break-system-packages --no-cache-dir --extra-index-url "$TORCH_INDEX_URL"'
+            f" torch=={torch_version}",
+        ]
+    )
+    docker("build", "--network", "host", *index_args, "-t", STANDIN_IMAGE, "-", stdin=standin, timeout=BUILD_TIMEOUT_S)
+    image = build(ROOT / "Dockerfile.cuda", TEST_CUDA_IMAGE, "--build-arg", f"BASE_IMAGE={STANDIN_IMAGE}")
+
+    run = docker("run", "--rm", image, check=False, timeout=300)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        "qwenbatch: error: device cuda: no CUDA device is visible to torch (torch.cuda.is_available() is False)"
+    )
+    probe = "import torch, triton, qwenbatch; print(torch.__file__)"
+    torch_file = docker("run", "--rm", "--entrypoint", "python3", image, "-c", probe).stdout.strip()
+    assert not torch_file.startswith("/opt/venv/"), f"a second torch was installed: {torch_file}"
+    assert docker("run", "--rm", "--entrypoint", "id", image, "-u").stdout.strip() == str(IMAGE_UID)
 
 
 # -- Kubernetes manifests ---------------------------------------------------------------------------------------
