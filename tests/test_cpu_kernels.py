@@ -106,3 +106,61 @@ def test_rotary_matches_the_layer_on_slices_of_the_fused_projection(dtype):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         else:
             assert torch.equal(got, want)
+
+
+def test_the_cpu_kernels_setting_resolves_by_dtype_and_compiler(monkeypatch):
+    from qwenbatch import config as config_module
+    from qwenbatch.config import EngineConfig
+
+    monkeypatch.setattr(config_module, "has_cxx_compiler", lambda: True)
+    assert EngineConfig(dtype="bfloat16").uses_cpu_kernels
+    assert not EngineConfig(dtype="float32").uses_cpu_kernels  # float32 keeps PyTorch's bits unless asked
+    assert EngineConfig(dtype="float32", cpu_kernels="on").uses_cpu_kernels
+    assert EngineConfig(dtype="float32", quantization="int8").uses_cpu_kernels
+    assert not EngineConfig(dtype="bfloat16", cpu_kernels="off").uses_cpu_kernels
+    monkeypatch.setattr(config_module, "has_cxx_compiler", lambda: False)
+    assert not EngineConfig(dtype="bfloat16").uses_cpu_kernels  # no compiler: the PyTorch path, not an error
+    with pytest.raises(ValueError, match="cpu_kernels must be auto, on or off"):
+        EngineConfig(cpu_kernels="yes")
+    with pytest.raises(ValueError, match="cannot have cpu_kernels off"):
+        EngineConfig(quantization="int8", cpu_kernels="off")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="CPU only"):
+        EngineConfig(device="cuda", cpu_kernels="on")
+    assert not EngineConfig(device="cuda").uses_cpu_kernels
+
+
+def test_an_engine_on_the_cpu_kernels_decodes_as_the_pytorch_path(tiny_qwen2):
+    from qwenbatch import LLM, SamplingParams
+
+    common = dict(model=str(tiny_qwen2), dtype="float32", kv_cache_memory=8 * 2**20)
+    fused, plain = LLM(**common, cpu_kernels="on"), LLM(**common, cpu_kernels="off")
+    assert isinstance(fused.engine.runner.model.model.norm, KernelRMSNorm)
+    assert not isinstance(plain.engine.runner.model.model.norm, KernelRMSNorm)
+    assert fused.engine.runner._metadata_class is KernelAttentionMetadata
+    # float32: only the order of the kernels' float32 sums differs, so greedy tokens (decode attention read
+    # through the block tables in place, across several blocks) are the PyTorch path's.
+    prompts = [[5, 9, 14, 3, 7], list(range(20, 57)), [8, 30, 6, 17, 2, 11, 4]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in fused.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
+def test_kernels_that_cannot_build_fall_back_under_auto_and_fail_when_asked_for(tiny_qwen2, monkeypatch):
+    from qwenbatch import LLM
+    from qwenbatch import config as config_module
+    from qwenbatch.layers import cpu_kernels
+
+    def no_build(target: str = "native"):
+        raise RuntimeError("qwenbatch's CPU kernels need a C++ compiler to build (g++): Python.h not found")
+
+    monkeypatch.setattr(config_module, "has_cxx_compiler", lambda: True)  # a compiler, but a broken build
+    monkeypatch.setattr(cpu_kernels, "kernels", no_build)
+    common = dict(model=str(tiny_qwen2), dtype="bfloat16", kv_cache_memory=8 * 2**20)
+    llm = LLM(**common)  # auto: the PyTorch layers, and it serves
+    assert not isinstance(llm.engine.runner.model.model.norm, KernelRMSNorm)
+    assert llm.engine.runner._metadata_class is TorchAttentionMetadata
+    assert len(llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs[0].token_ids) > 0
+    with pytest.raises(RuntimeError, match=r"Python\.h"):
+        LLM(**common, cpu_kernels="on")

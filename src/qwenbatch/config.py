@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import shutil
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +18,7 @@ TASKS = ("auto", "generate", "rerank")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("none", "int8")
+CPU_KERNELS = ("auto", "on", "off")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -32,6 +35,11 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def has_cxx_compiler() -> bool:
+    """True when torch's extension builder finds a C++ compiler (``$CXX``, else ``c++``)."""
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
 def parse_kv_cache_memory(text: str) -> int | float:
@@ -61,6 +69,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     # int8: CPU linears with int8 weights and activations, one scale per 32 values (vLLM's flag name).
     quantization: str = "none"
+    # Our fused CPU kernels (layers/csrc) for norms, SiLU * up, RoPE and paged decode attention. auto: on for
+    # half-precision dtypes where a C++ compiler is found (built once, ~60 s); off in float32, whose bits then
+    # stay PyTorch's; always on with int8.
+    cpu_kernels: str = "auto"
     max_model_len: int | None = None  # default: the model's context length, capped by the KV pool
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -89,6 +101,12 @@ class EngineConfig:
             raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
         if self.quantization == "int8" and self.resolved_device.type != "cpu":
             raise ValueError("quantization int8 runs on the CPU only (its kernel is CPU code)")
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise ValueError(f"cpu_kernels must be auto, on or off, got {self.cpu_kernels!r}")
+        if self.cpu_kernels == "on" and self.resolved_device.type != "cpu":
+            raise ValueError("cpu_kernels on: the CPU kernels run on the CPU only")
+        if self.cpu_kernels == "off" and self.quantization == "int8":
+            raise ValueError("quantization int8 runs in the CPU kernels: it cannot have cpu_kernels off")
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {util!r}")
@@ -127,6 +145,15 @@ class EngineConfig:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "triton" if self.resolved_device.type == "cuda" else "torch"
+
+    @property
+    def uses_cpu_kernels(self) -> bool:
+        """Whether the model runs our fused CPU kernels (what ``cpu_kernels`` auto stands for, resolved)."""
+        if self.resolved_device.type != "cpu" or self.cpu_kernels == "off":
+            return False
+        if self.cpu_kernels == "on" or self.quantization == "int8":
+            return True
+        return self.torch_dtype != torch.float32 and has_cxx_compiler()
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -65,6 +65,13 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
         default=None,
         help="CPU: int8 linears (int8 weights, activations quantized per 32 values); default none",
     )
+    g.add_argument(
+        "--cpu-kernels",
+        choices=["auto", "on", "off"],
+        default=None,
+        help="CPU: fused norms, SiLU*up, RoPE and paged decode attention in our C++ kernels (built once, ~60 s; "
+        "auto: on for bfloat16/float16 where a C++ compiler exists, off in float32)",
+    )
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     if not sweep:
         g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step")

@@ -55,7 +55,14 @@ class LLMEngine:
             # The "no" and "yes" rows of the LM head, in float32, before the kernels change its layout.
             rows = list(score_token_ids(self.tokenizer))
             score_weight = loaded.model.lm_head.weight.detach()[rows].float().clone()
-        kernels = prepare_kernels(loaded.model, self.dtype, device, config.quantization)
+        kernels = prepare_kernels(
+            loaded.model,
+            self.dtype,
+            device,
+            config.quantization,
+            config.uses_cpu_kernels,
+            required=config.cpu_kernels == "on" or config.quantization == "int8",  # auto falls back
+        )
         self.runner = ModelRunner(
             loaded.model,
             loaded.config,

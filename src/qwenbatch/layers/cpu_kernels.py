@@ -52,7 +52,7 @@ def kernels(target: str = "native"):
             extra_cflags=["-O3", "-fopenmp", _TARGETS[target]],
             extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch has loaded: one OpenMP pool
         )
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, ImportError) as e:
         raise RuntimeError(f"qwenbatch's CPU kernels need a C++ compiler to build (g++): {e}") from e
     logger.info(
         "CPU kernels (%s, int8 linear: %s) ready in %.1f s", target, module.isa(), time.perf_counter() - started

@@ -3,12 +3,15 @@ fused CPU kernels. Done once after the weights are loaded, so the model runner o
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from qwenbatch.layers.linear import onednn_available, pack_linears
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -19,21 +22,38 @@ class ModelKernels:
     cpu_kernels: bool  # norms, SiLU * up, RoPE and decode attention run in layers/csrc (the int8 path)
 
 
-def prepare_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device, quantization: str) -> ModelKernels:
+def prepare_kernels(
+    model: nn.Module,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str,
+    cpu_kernels: bool,
+    required: bool = True,
+) -> ModelKernels:
     """Swap ``model``'s layers in place for the fastest kernels this CPU has (nothing changes on CUDA).
 
-    int8 runs on our CPU kernels (layers/cpu_kernels.py), and so, once they are built, do the norms,
-    SiLU * up and decode attention (a batch-1 step is otherwise half PyTorch per-op overhead). Linears that
-    stay dense are prepacked for oneDNN where it has a fast path for ``dtype``.
+    With ``cpu_kernels`` the norms, SiLU * up, RoPE and decode attention run in our fused CPU kernels
+    (layers/cpu_kernels.py: a small step is otherwise mostly PyTorch per-op overhead and decode attention's
+    gather); int8 needs them. Linears that stay dense are prepacked for oneDNN where it has a fast path
+    for ``dtype``. Kernels that fail to build raise RuntimeError if ``required``, else the PyTorch layers stay
+    (with a warning).
     """
     linear_kernels = "torch"
-    cpu_kernels = quantization == "int8"
     if cpu_kernels:
-        from qwenbatch.layers.cpu_kernels import kernels, use_cpu_kernels
+        from qwenbatch.layers.cpu_kernels import use_cpu_kernels
+
+        try:
+            use_cpu_kernels(model)
+        except RuntimeError as e:
+            if required:
+                raise
+            logger.warning("CPU kernels unavailable, running PyTorch's layers instead (--cpu-kernels off): %s", e)
+            cpu_kernels = False
+    if quantization == "int8":
+        from qwenbatch.layers.cpu_kernels import kernels
         from qwenbatch.layers.int8_linear import quantize_linears
 
         quantize_linears(model)
-        use_cpu_kernels(model)
         linear_kernels = f"int8-{kernels().isa()}"
     if onednn_available(dtype, device) and pack_linears(model):  # what int8 left dense, or every linear
         packed = f"onednn-prepacked-{str(dtype).removeprefix('torch.')}"
