@@ -51,12 +51,15 @@ RUN apt-get update \
  && chown 10001:10001 /data
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build --chown=10001:10001 /opt/qwenbatch/cache /opt/qwenbatch/cache
+# The CPU kernels are built for the CPU a container runs on (~60 s) and kept on the volume, so a restart on
+# the same kind of CPU reuses them (the build's name carries the CPU's flags: another kind builds its own).
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     QWENBATCH_CACHE=/opt/qwenbatch/cache \
     QWENBATCH_HOST=0.0.0.0 \
     QWENBATCH_PORT=8000 \
-    QWENBATCH_DATA_DIR=/data
+    QWENBATCH_DATA_DIR=/data \
+    TORCH_EXTENSIONS_DIR=/data/torch_extensions
 USER 10001:10001
 WORKDIR /home/qwenbatch
 VOLUME ["/data"]
