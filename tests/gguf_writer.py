@@ -39,8 +39,8 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{index}.{_HF_TO_GGUF_LAYER[rest]}"
 
 
-def write_gguf(checkpoint: Path, out: Path, quantize: bool = True) -> dict[str, np.ndarray]:
-    """Write ``checkpoint`` as ``out``; 2-D weights as Q8_0 when ``quantize``. Returns the HF-named
+def write_gguf(checkpoint: Path, out: Path, quantize: bool = True, qtype: str = "Q8_0") -> dict[str, np.ndarray]:
+    """Write ``checkpoint`` as ``out``; 2-D weights as ``qtype`` when ``quantize``. Returns the HF-named
     float32 values a faithful reader must recover (the dequantized ones)."""
     cfg = json.loads((checkpoint / "config.json").read_text())
     arch = cfg["model_type"]
@@ -89,9 +89,10 @@ def write_gguf(checkpoint: Path, out: Path, quantize: bool = True) -> dict[str, 
     for name, value in load_file(str(checkpoint / "model.safetensors")).items():
         value = value.astype(np.float32)
         if quantize and value.ndim == 2:
-            q = gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(gguf_name(name), q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-            expected[name] = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).reshape(value.shape)
+            kind = gguf.GGMLQuantizationType[qtype]
+            q = gguf.quants.quantize(value, kind)
+            w.add_tensor(gguf_name(name), q, raw_shape=q.shape, raw_dtype=kind)
+            expected[name] = gguf.quants.dequantize(q, kind).reshape(value.shape)
         else:
             w.add_tensor(gguf_name(name), value)
             expected[name] = value

@@ -9,7 +9,16 @@ from torch import nn
 from qwenbatch import LLM, SamplingParams
 from qwenbatch.config import EngineConfig
 from qwenbatch.layers.cpu_kernels import kernels
-from qwenbatch.layers.int8_linear import GROUP_SIZE, Int8Linear, dequantize, pack, quantize_weight
+from qwenbatch.layers.int8_linear import (
+    GROUP_SIZE,
+    Int8Linear,
+    dequantize,
+    is_exact,
+    pack,
+    pack_q5,
+    quantize_weight,
+    quantize_weight_q5,
+)
 
 
 def reference(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -73,6 +82,74 @@ def test_quantize_weight_holds_a_q8_0_tensor_exactly():
     assert torch.equal(got_scales, scales)
 
 
+def q5_0_blocks(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks as GGUF's Q5_0 writes them: values in [-16, 15], each block reaching -16, float16 scales of either sign."""
+    values = torch.randint(-16, 16, (n, k), dtype=torch.int8)
+    values[:, 5::GROUP_SIZE] = -16
+    scales = (torch.randn(n, k // GROUP_SIZE) * 0.01).half()
+    scales[0, 0] = 0  # an all-zero block
+    values[0, :GROUP_SIZE] = 0
+    return values, scales
+
+
+def test_quantize_weight_q5_holds_a_q5_0_tensor_exactly_and_rejects_others():
+    torch.manual_seed(0)
+    values, scales = q5_0_blocks(32, 128)
+    weight = dequantize(values, scales)
+    got_values, got_scales = quantize_weight_q5(weight)
+    assert is_exact(weight, got_values, got_scales)
+    assert torch.equal(got_values, values)
+    assert torch.equal(got_scales.float().abs(), scales.float().abs())  # a zero block's scale may be -0
+    assert not is_exact(torch.randn(32, 128), *quantize_weight_q5(torch.randn(32, 128)))
+    bf16_copy = weight.bfloat16().float()  # rounded first, as a bf16 load would: no longer Q5_0
+    assert not is_exact(bf16_copy, *quantize_weight_q5(bf16_copy))
+
+
+@pytest.mark.parametrize("target", ["native", "avx2", "portable"])
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (80, 96), (48, 896), (160, 64)])
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_5_bit_layout_gives_the_int8_layouts_result(target, n, k, m):
+    torch.manual_seed(n + k + m)
+    values, scales = q5_0_blocks(n, k)
+    x = torch.randn(m, k)
+    five = kernels(target).int8_linear(x, *pack_q5(values, scales), None, n, 5)
+    eight = kernels(target).int8_linear(x, *pack(values, scales), None, n, 8)
+    assert torch.equal(five, eight)
+    want = reference(x, values, scales)
+    torch.testing.assert_close(five.double(), want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
+
+
+def test_int8_linear_stores_q5_0_weights_in_5_bits_only_where_asked():
+    torch.manual_seed(4)
+    values, scales = q5_0_blocks(50, 64)
+    dense = nn.Linear(64, 50)
+    dense.weight.data = dequantize(values, scales)
+    five, eight = Int8Linear(dense, five_bit=True), Int8Linear(dense, five_bit=False)
+    assert (five.bits, five.q5_exact, eight.bits, eight.q5_exact) == (5, True, 8, True)
+    assert five.packed_weight.numel() == 64 * 64 * 5 // 8  # rows padded to 64
+    x = torch.randn(3, 64)
+    assert torch.equal(five(x), eight(x))
+    want = dense(x).detach()
+    torch.testing.assert_close(five(x), want, rtol=0, atol=0.02 * float(want.abs().max()))
+    generic = Int8Linear(nn.Linear(64, 50), five_bit=True)  # not Q5_0: the int8 rule, 8 bits
+    assert (generic.bits, generic.q5_exact, generic.exact) == (8, False, False)
+
+
+def test_a_layer_of_q5_0_and_q8_0_rows_is_held_exactly_in_8_bits():
+    # The default model's fused qkv: q and k rows are Q5_0 blocks, v rows (in half the layers) Q8_0 ones.
+    torch.manual_seed(6)
+    q8_values = torch.randint(-127, 128, (16, 64), dtype=torch.int8)
+    q8_values[:, ::GROUP_SIZE] = 127
+    q8 = dequantize(q8_values, (torch.rand(16, 2) * 0.01 + 1e-4).half())
+    q5 = dequantize(*q5_0_blocks(32, 64))
+    dense = nn.Linear(64, 48, bias=False)
+    dense.weight.data = torch.cat([q5, q8])
+    layer = Int8Linear(dense, five_bit=True)
+    assert (layer.bits, layer.q5_exact, layer.exact) == (8, False, True)
+    values, scales = quantize_weight(dense.weight.data)
+    assert torch.equal(dequantize(values, scales), dense.weight.data)
+
+
 def test_quantize_weight_error_is_half_a_step_at_most():
     torch.manual_seed(1)
     weight = torch.randn(64, 256)
@@ -123,3 +200,22 @@ def test_a_layer_packed_in_slices_equals_one_packed_whole():
     whole_weight, whole_scales = pack(*quantize_weight(padded))
     assert torch.equal(layer.packed_weight, whole_weight)
     assert torch.equal(layer.packed_scales, whole_scales)
+
+
+def test_engine_keeps_a_q5_0_gguf_exact_in_bfloat16(tiny_qwen2, tmp_path):
+    from gguf_writer import write_gguf
+
+    path = tmp_path / "q5.gguf"
+    expected = write_gguf(tiny_qwen2, path, qtype="Q5_0")
+    llm = LLM(model=str(path), dtype="bfloat16", quantization="int8", kv_cache_memory=8 * 2**20)
+    layers = dict(llm.engine.runner.model.named_modules())
+    int8_layers = {name: m for name, m in layers.items() if isinstance(m, Int8Linear)}
+    assert int8_layers and all(m.q5_exact and m.exact for m in int8_layers.values())
+    five_bit = kernels().isa() == "avx512-vnni"
+    assert all(m.bits == (5 if five_bit else 8) for m in int8_layers.values())
+    # The layer computes with the file's blocks, not with a bfloat16 rounding of them.
+    layer = int8_layers["model.layers.0.mlp.down_proj"]
+    values, scales = quantize_weight_q5(torch.from_numpy(expected["model.layers.0.mlp.down_proj.weight"]))
+    x = torch.randn(4, layer.in_features, dtype=torch.bfloat16)
+    want = kernels().int8_linear(x, *pack(values, scales), None, layer.out_features, 8)
+    assert torch.equal(layer(x), want)

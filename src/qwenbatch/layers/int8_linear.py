@@ -6,8 +6,11 @@ bytes. With VNNI one instruction multiplies-adds 64 int8 pairs, so the same kern
 oneDNN's bfloat16 at large M (BENCHMARKS.md: 2.4x at one row, 1.3x at 256 rows on the AVX-512 BF16
 kind). The kernel is ``csrc/int8_linear.cpp``, built by ``layers/cpu_kernels.py``.
 
-Quantization is symmetric, per group of 32 along the input dimension (GGUF's Q8_0 block): a Q8_0
-tensor is held exactly; others round to the nearest of 255 levels of their group.
+Quantization is symmetric, per group of 32 along the input dimension (GGUF's Q8_0 and Q5_0 blocks): a group
+dequantized from Q8_0 or Q5_0 is held exactly; others round to the nearest of 255 levels of their group. The
+weights must come in float32 for that (a bfloat16 copy has already rounded them). A tensor whose every group
+is a Q5_0 block (the default model's gate/up and attention output) is stored in 5 bits where the kernel
+widens them fast (AVX-512): a batch-1 decode step is bound by the bytes it reads.
 """
 
 from __future__ import annotations
@@ -31,13 +34,42 @@ _ROWS_PER_SLICE = 4096  # a multiple of TILE_ROWS: slices pack independently
 @torch.no_grad()
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` [N, K] (K a multiple of 32) -> (int8 values [N, K], float16 scales [N, K / 32]), symmetric
-    per group of 32: scale = max |w| / 127, rounded to float16 before the values are rounded to it."""
+    per group of 32: scale = max |w| / 127, rounded to float16 before the values are rounded to it (Q8_0's
+    rule) -- except groups that Q5_0's rule (``quantize_weight_q5``) holds exactly, which keep its values."""
     n, k = weight.shape
     groups = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
     scales = (groups.abs().amax(-1) / 127).half()
     s = scales.float().unsqueeze(-1)
     values = torch.where(s > 0, torch.round(groups / s.clamp_min(torch.finfo(torch.float32).tiny)), 0.0)
-    return values.clamp(-127, 127).to(torch.int8).reshape(n, k), scales
+    values = values.clamp(-127, 127).to(torch.int8).reshape(n, k)
+    q5_values, q5_scales = quantize_weight_q5(weight)
+    q5_groups = exact_groups(weight, q5_values, q5_scales).unsqueeze(-1)
+    values = torch.where(q5_groups, q5_values.reshape(groups.shape), values.reshape(groups.shape)).reshape(n, k)
+    return values, torch.where(q5_groups.squeeze(-1), q5_scales, scales)
+
+
+@torch.no_grad()
+def quantize_weight_q5(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF's Q5_0 rule: per group of 32, scale d = -(the value of largest magnitude) / 16 in float16, values
+    round(w / d) clamped to [-16, 15]. On a tensor dequantized from Q5_0 this gives back its blocks exactly."""
+    n, k = weight.shape
+    groups = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    extreme = groups.gather(-1, groups.abs().argmax(-1, keepdim=True))
+    scales = (-extreme / 16).half().squeeze(-1)
+    d = scales.float().unsqueeze(-1)
+    values = torch.where(d != 0, torch.round(groups / torch.where(d != 0, d, 1.0)), 0.0)
+    return values.clamp(-16, 15).to(torch.int8).reshape(n, k), scales
+
+
+def exact_groups(weight: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[N, K / 32] bool: which groups ``values`` and ``scales`` stand for without any rounding."""
+    n, k = weight.shape
+    return (dequantize(values, scales) == weight.float()).reshape(n, k // GROUP_SIZE, GROUP_SIZE).all(-1)
+
+
+def is_exact(weight: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether ``values`` and ``scales`` stand for ``weight`` without any rounding."""
+    return bool(exact_groups(weight, values, scales).all())
 
 
 def pack(values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,8 +79,28 @@ def pack(values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torc
     tiles = n // TILE_ROWS
     packed = (values.to(torch.int16) + 128).to(torch.uint8)
     packed = packed.reshape(tiles, TILE_ROWS, k // 4, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)
-    packed_scales = scales.reshape(tiles, TILE_ROWS, k // GROUP_SIZE).permute(0, 2, 1).contiguous().reshape(-1)
-    return packed, packed_scales
+    return packed, _pack_scales(scales)
+
+
+def _pack_scales(scales: torch.Tensor) -> torch.Tensor:
+    n, groups = scales.shape
+    return scales.reshape(n // TILE_ROWS, TILE_ROWS, groups).permute(0, 2, 1).contiguous().reshape(-1)
+
+
+def pack_q5(values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's 5-bit layout of values in [-16, 15]: per tile of 16 rows, the low nibbles of ``value + 16``
+    (two 64-byte chunks of ``pack``'s layout per 64 bytes, the first in the low nibble), then each chunk's
+    fifth bits (8 bytes, bit b for byte b). Scales as ``pack``'s. N must be a multiple of 16."""
+    n, k = values.shape
+    tiles = n // TILE_ROWS
+    u5 = (values.to(torch.int16) + 16).to(torch.uint8)
+    chunks = u5.reshape(tiles, TILE_ROWS, k // 4, 4).permute(0, 2, 1, 3).reshape(tiles, k // 4, 64)
+    nibbles = (chunks[:, 0::2] & 0x0F) | ((chunks[:, 1::2] & 0x0F) << 4)
+    bit_weights = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)
+    fifth = ((chunks >> 4) & 1).reshape(tiles, k // 4, 8, 8)
+    high = (fifth * bit_weights).sum(-1, dtype=torch.int32).to(torch.uint8)
+    packed = torch.cat([nibbles.reshape(tiles, -1), high.reshape(tiles, -1)], dim=1).reshape(-1)
+    return packed, _pack_scales(scales)
 
 
 def dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -58,9 +110,10 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Linear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` held as packed int8 (rows padded to a multiple of 16)."""
+    """``y = x @ W.T + b`` with ``W`` held as packed int8, or 5-bit where it is Q5_0-exact and ``five_bit``
+    (rows padded to a multiple of 16)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, five_bit: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
@@ -68,9 +121,19 @@ class Int8Linear(nn.Module):
         if self.padded_out != self.out_features:
             weight = F.pad(weight, (0, 0, 0, self.padded_out - self.out_features))
         # In slices of rows: the float32 temporaries of a 151,936-row LM head would otherwise add GBs to the peak.
-        parts = [
-            pack(*quantize_weight(weight[i : i + _ROWS_PER_SLICE])) for i in range(0, self.padded_out, _ROWS_PER_SLICE)
-        ]
+        slices = [weight[i : i + _ROWS_PER_SLICE] for i in range(0, self.padded_out, _ROWS_PER_SLICE)]
+        quantized, self.q5_exact = [], True  # every group a Q5_0 block, else the int8 rule per group
+        for part in slices:
+            values, scales = quantize_weight_q5(part)
+            if not is_exact(part, values, scales):
+                quantized, self.q5_exact = [quantize_weight(part) for part in slices], False
+                break
+            quantized.append((values, scales))
+        self.exact = self.q5_exact or all(
+            is_exact(part, v, sc) for part, (v, sc) in zip(slices, quantized, strict=True)
+        )
+        self.bits = 5 if five_bit and self.q5_exact else 8
+        parts = [(pack_q5 if self.bits == 5 else pack)(v, sc) for v, sc in quantized]
         self.packed_weight = torch.cat([w for w, _ in parts])
         self.packed_scales = torch.cat([sc for _, sc in parts])
         bias = None if linear.bias is None else linear.bias.detach().float()
@@ -81,13 +144,18 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        y = self._kernels.int8_linear(rows, self.packed_weight, self.packed_scales, self.bias, self.padded_out)
+        y = self._kernels.int8_linear(
+            rows, self.packed_weight, self.packed_scales, self.bias, self.padded_out, self.bits
+        )
         if self.padded_out != self.out_features:
             y = y[:, : self.out_features]
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"bits={self.bits}"
+        )
 
 
 def int8_supported(linear: nn.Linear) -> bool:
@@ -98,6 +166,17 @@ def int8_supported(linear: nn.Linear) -> bool:
 def quantize_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` the kernel supports by an Int8Linear; returns how many."""
     module = kernels()  # build before the first layer, so a missing compiler fails fast
-    count = replace_linears(model, Int8Linear, keep=lambda linear: not int8_supported(linear))
-    logger.info("quantized %d linear layers to int8 (%s kernel)", count, module.isa())
+    five_bit = module.isa() == "avx512-vnni"  # elsewhere widening 5 bits costs more than the bytes it saves
+    count = replace_linears(
+        model, lambda linear: Int8Linear(linear, five_bit), keep=lambda linear: not int8_supported(linear)
+    )
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    logger.info(
+        "quantized %d linear layers to int8 (%s kernel): %d hold their weights exactly (Q8_0 / Q5_0 blocks), "
+        "%d in 5 bits",
+        count,
+        module.isa(),
+        sum(m.exact for m in layers),
+        sum(m.bits == 5 for m in layers),
+    )
     return count

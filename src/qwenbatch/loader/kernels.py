@@ -36,7 +36,8 @@ def prepare_kernels(
     (layers/cpu_kernels.py: a small step is otherwise mostly PyTorch per-op overhead and decode attention's
     gather); int8 needs them. Linears that stay dense are prepacked for oneDNN where it has a fast path
     for ``dtype``. Kernels that fail to build raise RuntimeError if ``required``, else the PyTorch layers stay
-    (with a warning).
+    (with a warning). With int8 the model may arrive in float32 (quantized from exact weights) and leaves in
+    ``dtype``.
     """
     linear_kernels = "torch"
     if cpu_kernels:
@@ -54,6 +55,7 @@ def prepare_kernels(
         from qwenbatch.layers.int8_linear import quantize_linears
 
         quantize_linears(model)
+        model.to(dtype)  # the dense rest (embeddings, norms); the int8 layers keep their own formats
         linear_kernels = f"int8-{kernels().isa()}"
     if onednn_available(dtype, device) and pack_linears(model):  # what int8 left dense, or every linear
         packed = f"onednn-prepacked-{str(dtype).removeprefix('torch.')}"

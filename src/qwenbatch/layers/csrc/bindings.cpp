@@ -2,7 +2,7 @@
 #include <torch/extension.h>
 
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
-                          const c10::optional<torch::Tensor>& bias, int64_t N);
+                          const c10::optional<torch::Tensor>& bias, int64_t N, int64_t bits);
 std::string isa();
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor silu_and_mul(const torch::Tensor& x);
@@ -11,7 +11,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& block_tables, const torch::Tensor& lens, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_linear", &int8_linear, "y = x . W^T + bias, W packed int8 with a scale per 32 weights");
+  m.def("int8_linear", &int8_linear, "y = x . W^T + bias, W packed in 8 or 5 bits with a scale per 32 weights",
+        py::arg("x"), py::arg("w"), py::arg("scales"), py::arg("bias"), py::arg("n"), py::arg("bits") = 8);
   m.def("isa", &isa, "the instruction set int8_linear was built for");
   m.def("rms_norm", &rms_norm, "RMSNorm in float32, scaled in the input dtype");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(x[..., :n]) * x[..., n:]");

@@ -12,6 +12,11 @@
 // Scales are float16, [tile][group][16 rows].
 //
 // With AVX2 only, the same products go through vpmaddubsw; elsewhere they run as plain loops.
+//
+// 5-bit weights (GGUF's Q5_0: q in [-16, 15]) are stored in 5/8 of the bytes and widened tile by tile into
+// the layout above just before use. Per tile of 16 rows: first the low nibbles of u5 = q + 16, one 64-byte
+// block per two consecutive 4-k chunks (chunk 2p in the low nibble, 2p + 1 in the high one), then each
+// chunk's fifth bits, 64 bits little-endian with bit b for byte b of the chunk: 10 * K bytes for 16 * K weights.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -79,7 +84,35 @@ QuantizedX quantize_rows(const T* x, int64_t M, int64_t K) {
   return out;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+// Widens one tile of 5-bit weights (10 * K bytes) into the int8 layout (16 * K bytes, u = q + 128).
+inline void widen_q5_tile(const uint8_t* src, int64_t K, uint8_t* dst) {
+  const uint8_t* high = src + 8 * K;
+#if defined(__AVX512BW__)
+  const __m512i low4 = _mm512_set1_epi8(0x0F), base = _mm512_set1_epi8(0x70), sixteen = _mm512_set1_epi8(16);
+  for (int64_t p = 0; p < K / 8; ++p) {
+    const __m512i nib = _mm512_loadu_si512(reinterpret_cast<const void*>(src + p * 64));
+    // (nib & 0x0F) | 0x70 is nib + 112; adding 16 where the fifth bit is set makes u5 + 112 = q + 128.
+    __m512i a = _mm512_ternarylogic_epi32(nib, low4, base, 0xEA);
+    __m512i b = _mm512_ternarylogic_epi32(_mm512_srli_epi16(nib, 4), low4, base, 0xEA);
+    uint64_t ka, kb;
+    std::memcpy(&ka, high + (2 * p) * 8, 8);
+    std::memcpy(&kb, high + (2 * p + 1) * 8, 8);
+    a = _mm512_mask_add_epi8(a, _cvtu64_mask64(ka), a, sixteen);
+    b = _mm512_mask_add_epi8(b, _cvtu64_mask64(kb), b, sixteen);
+    _mm512_storeu_si512(reinterpret_cast<void*>(dst + (2 * p) * 64), a);
+    _mm512_storeu_si512(reinterpret_cast<void*>(dst + (2 * p + 1) * 64), b);
+  }
+#else
+  for (int64_t c = 0; c < K / 4; ++c)
+    for (int64_t b = 0; b < 64; ++b) {
+      const int nib = (src[(c / 2) * 64 + b] >> (4 * (c % 2))) & 0x0F;
+      const int fifth = (high[c * 8 + b / 8] >> (b % 8)) & 1;
+      dst[c * 64 + b] = static_cast<uint8_t>(112 + nib + 16 * fifth);
+    }
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr const char* kIsa = "avx512-vnni";
 
 // MB rows of x against T tiles (16 * T weight rows, the first at column n0), all groups, into out.
@@ -134,15 +167,15 @@ inline void rows_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_
   for (; m < M; ++m) tile_kernel<1, T>(xq, m, K, w, s, out, n0);
 }
 
-// One task: tiles [t0, t1).
+// One task: tiles [t0, t1), whose weights start at w.
 inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
                         const Output& out, int64_t t0, int64_t t1) {
   const int64_t G = K / kGroup;
   int64_t t = t0;
   for (; t + 2 <= t1; t += 2)
-    rows_kernel<2>(xq, M, K, w + t * kTileRows * K, s + t * G * kTileRows, out, t * kTileRows);
+    rows_kernel<2>(xq, M, K, w + (t - t0) * kTileRows * K, s + t * G * kTileRows, out, t * kTileRows);
   for (; t < t1; ++t)
-    rows_kernel<1>(xq, M, K, w + t * kTileRows * K, s + t * G * kTileRows, out, t * kTileRows);
+    rows_kernel<1>(xq, M, K, w + (t - t0) * kTileRows * K, s + t * G * kTileRows, out, t * kTileRows);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr const char* kIsa = "avx2";
@@ -197,7 +230,7 @@ inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_
                         const Output& out, int64_t t0, int64_t t1) {
   const int64_t G = K / kGroup;
   for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* wt = w + t * kTileRows * K;
+    const uint8_t* wt = w + (t - t0) * kTileRows * K;
     const c10::Half* st = s + t * G * kTileRows;
     int64_t m = 0;
     for (; m + 2 <= M; m += 2) tile_kernel<2>(xq, m, K, wt, st, out, t * kTileRows);
@@ -211,7 +244,7 @@ inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_
                         const Output& out, int64_t t0, int64_t t1) {
   const int64_t G = K / kGroup;
   for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* wt = w + t * kTileRows * K;
+    const uint8_t* wt = w + (t - t0) * kTileRows * K;
     const c10::Half* st = s + t * G * kTileRows;
     for (int64_t m = 0; m < M; ++m) {
       const int8_t* xm = xq.q.data() + m * K;
@@ -235,15 +268,17 @@ inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_
 
 }  // namespace
 
-// x: [M, K] float32, bfloat16 or float16; w: packed uint8 [N * K]; scales: float16 [N * K / 32];
-// bias: [N] or None. Returns [M, N] in x's dtype.
+// x: [M, K] float32, bfloat16 or float16; w: packed uint8, N * K bytes (bits = 8) or N * K * 5 / 8 (bits = 5);
+// scales: float16 [N * K / 32]; bias: [N] or None. Returns [M, N] in x's dtype.
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
-                          const c10::optional<torch::Tensor>& bias, int64_t N) {
+                          const c10::optional<torch::Tensor>& bias, int64_t N, int64_t bits) {
   TORCH_CHECK(x.dim() == 2, "int8_linear: x must be 2-D");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kGroup == 0 && N % kTileRows == 0, "int8_linear: K must divide by 32 and N by 16");
-  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == N * K,
-              "int8_linear: w must be contiguous uint8 with N * K elements");
+  TORCH_CHECK(bits == 8 || bits == 5, "int8_linear: bits must be 8 or 5");
+  const int64_t tile_bytes = kTileRows * K * bits / 8;
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == N / kTileRows * tile_bytes,
+              "int8_linear: w must be contiguous uint8 with N * K * bits / 8 elements");
   TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.numel() == N * K / kGroup,
               "int8_linear: scales must be contiguous float16 with N * K / 32 elements");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16 ||
@@ -268,7 +303,20 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   const int64_t tiles = N / kTileRows;
   const int64_t tasks = (tiles + kTilesPerTask - 1) / kTilesPerTask;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    task_kernel(xq, M, K, wp, sp, out, begin * kTilesPerTask, std::min(tiles, end * kTilesPerTask));
+    constexpr int64_t kWidenTiles = 2;  // 5-bit tiles widened at a time: 28 KB at K = 896, still in L1
+    std::vector<uint8_t> widened(bits == 5 ? kWidenTiles * kTileRows * K : 0);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t0 = task * kTilesPerTask, t1 = std::min(tiles, t0 + kTilesPerTask);
+      if (bits == 8) {
+        task_kernel(xq, M, K, wp + t0 * tile_bytes, sp, out, t0, t1);
+        continue;
+      }
+      for (int64_t t = t0; t < t1; t += kWidenTiles) {  // widened once per call, then read by every row of x
+        const int64_t te = std::min(t1, t + kWidenTiles);
+        for (int64_t i = t; i < te; ++i) widen_q5_tile(wp + i * tile_bytes, K, widened.data() + (i - t) * kTileRows * K);
+        task_kernel(xq, M, K, widened.data(), sp, out, t, te);
+      }
+    }
   });
   return y;
 }
