@@ -83,7 +83,7 @@ def test_quantize_weight_holds_a_q8_0_tensor_exactly():
 
 
 def q5_0_blocks(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks as GGUF's Q5_0 writes them: values in [-16, 15], each block reaching -16, float16 scales of either sign."""
+    """Blocks as GGUF's Q5_0 writes them: values in [-16, 15], each block reaching -16, float16 scales of any sign."""
     values = torch.randint(-16, 16, (n, k), dtype=torch.int8)
     values[:, 5::GROUP_SIZE] = -16
     scales = (torch.randn(n, k // GROUP_SIZE) * 0.01).half()
