@@ -88,19 +88,20 @@ def _pack_scales(scales: torch.Tensor) -> torch.Tensor:
 
 
 def pack_q5(values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's 5-bit layout of values in [-16, 15]: per tile of 16 rows, the low nibbles of ``value + 16``
-    (two 64-byte chunks of ``pack``'s layout per 64 bytes, the first in the low nibble), then each chunk's
-    fifth bits (8 bytes, bit b for byte b). Scales as ``pack``'s. N must be a multiple of 16."""
+    """The kernel's 5-bit layout of values in [-16, 15], per tile of 16 rows and group of 32 inputs (320
+    bytes): the low nibbles of ``value + 16`` for the group's 8 chunks of ``pack``'s layout (64 bytes per two
+    chunks, the first in the low nibble), then each chunk's fifth bits (8 bytes, bit b for byte b). Scales
+    as ``pack``'s. N must be a multiple of 16."""
     n, k = values.shape
-    tiles = n // TILE_ROWS
+    tiles, groups = n // TILE_ROWS, k // GROUP_SIZE
     u5 = (values.to(torch.int16) + 16).to(torch.uint8)
-    chunks = u5.reshape(tiles, TILE_ROWS, k // 4, 4).permute(0, 2, 1, 3).reshape(tiles, k // 4, 64)
-    nibbles = (chunks[:, 0::2] & 0x0F) | ((chunks[:, 1::2] & 0x0F) << 4)
+    chunks = u5.reshape(tiles, TILE_ROWS, k // 4, 4).permute(0, 2, 1, 3).reshape(tiles, groups, 8, 64)
+    nibbles = (chunks[:, :, 0::2] & 0x0F) | ((chunks[:, :, 1::2] & 0x0F) << 4)  # [tiles, groups, 4, 64]
     bit_weights = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)
-    fifth = ((chunks >> 4) & 1).reshape(tiles, k // 4, 8, 8)
-    high = (fifth * bit_weights).sum(-1, dtype=torch.int32).to(torch.uint8)
-    packed = torch.cat([nibbles.reshape(tiles, -1), high.reshape(tiles, -1)], dim=1).reshape(-1)
-    return packed, _pack_scales(scales)
+    fifth = ((chunks >> 4) & 1).reshape(tiles, groups, 8, 8, 8)
+    high = (fifth * bit_weights).sum(-1, dtype=torch.int32).to(torch.uint8)  # [tiles, groups, 8, 8]
+    packed = torch.cat([nibbles.reshape(tiles, groups, 256), high.reshape(tiles, groups, 64)], dim=2)
+    return packed.reshape(-1), _pack_scales(scales)
 
 
 def dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

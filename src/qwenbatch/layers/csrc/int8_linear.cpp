@@ -13,10 +13,11 @@
 //
 // With AVX2 only, the same products go through vpmaddubsw; elsewhere they run as plain loops.
 //
-// 5-bit weights (GGUF's Q5_0: q in [-16, 15]) are stored in 5/8 of the bytes and widened tile by tile into
-// the layout above just before use. Per tile of 16 rows: first the low nibbles of u5 = q + 16, one 64-byte
-// block per two consecutive 4-k chunks (chunk 2p in the low nibble, 2p + 1 in the high one), then each
-// chunk's fifth bits, 64 bits little-endian with bit b for byte b of the chunk: 10 * K bytes for 16 * K weights.
+// 5-bit weights (GGUF's Q5_0: q in [-16, 15]) are stored in 5/8 of the bytes and widened into the layout
+// above as they are used. Per tile of 16 rows and group of 32 k (8 chunks of 4 k), 320 bytes: the low nibbles
+// of u5 = q + 16, one 64-byte block per two consecutive chunks (the first in the low nibble), then the 8
+// chunks' fifth bits, 64 bits little-endian each, bit b for byte b of the chunk. A tile is one stream of
+// 10 * K bytes, as the hardware prefetcher likes it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -30,6 +31,11 @@ namespace {
 constexpr int64_t kGroup = 32;        // weights per scale
 constexpr int64_t kTileRows = 16;     // weight rows per tile
 constexpr int64_t kTilesPerTask = 4;  // tiles one parallel task owns
+constexpr int64_t kQ5GroupBytes = 320;  // one tile's 32 k in the 5-bit layout: 256 bytes of nibbles, 64 of fifth bits
+
+// Where chunk c's nibble block and fifth bits are in a 5-bit tile.
+inline const uint8_t* q5_nibbles(const uint8_t* tile, int64_t c) { return tile + (c / 8) * kQ5GroupBytes + (c % 8) / 2 * 64; }
+inline const uint8_t* q5_fifth(const uint8_t* tile, int64_t c) { return tile + (c / 8) * kQ5GroupBytes + 256 + (c % 8) * 8; }
 
 struct QuantizedX {
   std::vector<int8_t> q;      // [M, K]
@@ -86,27 +92,26 @@ QuantizedX quantize_rows(const T* x, int64_t M, int64_t K) {
 
 // Widens one tile of 5-bit weights (10 * K bytes) into the int8 layout (16 * K bytes, u = q + 128).
 inline void widen_q5_tile(const uint8_t* src, int64_t K, uint8_t* dst) {
-  const uint8_t* high = src + 8 * K;
 #if defined(__AVX512BW__)
   const __m512i low4 = _mm512_set1_epi8(0x0F), base = _mm512_set1_epi8(0x70), sixteen = _mm512_set1_epi8(16);
-  for (int64_t p = 0; p < K / 8; ++p) {
-    const __m512i nib = _mm512_loadu_si512(reinterpret_cast<const void*>(src + p * 64));
+  for (int64_t c = 0; c < K / 4; c += 2) {
+    const __m512i nib = _mm512_loadu_si512(reinterpret_cast<const void*>(q5_nibbles(src, c)));
     // (nib & 0x0F) | 0x70 is nib + 112; adding 16 where the fifth bit is set makes u5 + 112 = q + 128.
     __m512i a = _mm512_ternarylogic_epi32(nib, low4, base, 0xEA);
     __m512i b = _mm512_ternarylogic_epi32(_mm512_srli_epi16(nib, 4), low4, base, 0xEA);
     uint64_t ka, kb;
-    std::memcpy(&ka, high + (2 * p) * 8, 8);
-    std::memcpy(&kb, high + (2 * p + 1) * 8, 8);
+    std::memcpy(&ka, q5_fifth(src, c), 8);
+    std::memcpy(&kb, q5_fifth(src, c + 1), 8);
     a = _mm512_mask_add_epi8(a, _cvtu64_mask64(ka), a, sixteen);
     b = _mm512_mask_add_epi8(b, _cvtu64_mask64(kb), b, sixteen);
-    _mm512_storeu_si512(reinterpret_cast<void*>(dst + (2 * p) * 64), a);
-    _mm512_storeu_si512(reinterpret_cast<void*>(dst + (2 * p + 1) * 64), b);
+    _mm512_storeu_si512(reinterpret_cast<void*>(dst + c * 64), a);
+    _mm512_storeu_si512(reinterpret_cast<void*>(dst + (c + 1) * 64), b);
   }
 #else
   for (int64_t c = 0; c < K / 4; ++c)
     for (int64_t b = 0; b < 64; ++b) {
-      const int nib = (src[(c / 2) * 64 + b] >> (4 * (c % 2))) & 0x0F;
-      const int fifth = (high[c * 8 + b / 8] >> (b % 8)) & 1;
+      const int nib = (q5_nibbles(src, c)[b] >> (4 * (c % 2))) & 0x0F;
+      const int fifth = (q5_fifth(src, c)[b / 8] >> (b % 8)) & 1;
       dst[c * 64 + b] = static_cast<uint8_t>(112 + nib + 16 * fifth);
     }
 #endif
@@ -115,29 +120,61 @@ inline void widen_q5_tile(const uint8_t* src, int64_t K, uint8_t* dst) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr const char* kIsa = "avx512-vnni";
 
+
+// The weights of two consecutive 4-k chunks (c0, c0 + 1) of T tiles, as u = q + 128 bytes: loaded (8-bit
+// layout), or widened in registers from the 5-bit one (see widen_q5_tile).
+template <bool Q5, int T>
+inline void load_chunk_pair(const uint8_t* w, int64_t K, int64_t c0, __m512i (&w0)[T], __m512i (&w1)[T]) {
+  const int64_t tile_bytes = kTileRows * K * (Q5 ? 5 : 8) / 8;
+  for (int t = 0; t < T; ++t) {
+    const uint8_t* wt = w + t * tile_bytes;
+    if constexpr (Q5) {
+      const __m512i low4 = _mm512_set1_epi8(0x0F), base = _mm512_set1_epi8(0x70), sixteen = _mm512_set1_epi8(16);
+      if (c0 % 8 == 0)  // streams from DRAM slower than it computes without help: fetch 6 groups ahead
+        for (int64_t line = 0; line < kQ5GroupBytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(q5_nibbles(wt, c0) + 6 * kQ5GroupBytes + line), _MM_HINT_T0);
+      const __m512i nib = _mm512_loadu_si512(reinterpret_cast<const void*>(q5_nibbles(wt, c0)));
+      const __m512i a = _mm512_ternarylogic_epi32(nib, low4, base, 0xEA);
+      const __m512i b = _mm512_ternarylogic_epi32(_mm512_srli_epi16(nib, 4), low4, base, 0xEA);
+      uint64_t ka, kb;
+      std::memcpy(&ka, q5_fifth(wt, c0), 8);
+      std::memcpy(&kb, q5_fifth(wt, c0 + 1), 8);
+      w0[t] = _mm512_mask_add_epi8(a, _cvtu64_mask64(ka), a, sixteen);
+      w1[t] = _mm512_mask_add_epi8(b, _cvtu64_mask64(kb), b, sixteen);
+    } else {
+      w0[t] = _mm512_loadu_si512(reinterpret_cast<const void*>(wt + c0 * 64));
+      w1[t] = _mm512_loadu_si512(reinterpret_cast<const void*>(wt + (c0 + 1) * 64));
+    }
+  }
+}
+
 // MB rows of x against T tiles (16 * T weight rows, the first at column n0), all groups, into out.
-template <int MB, int T>
+template <bool Q5, int MB, int T>
 inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8_t* w, const c10::Half* s,
                         const Output& out, int64_t n0) {
   const int64_t G = K / kGroup;
-  const int64_t tile_bytes = kTileRows * K;
   __m512 acc[MB][T];
   for (int m = 0; m < MB; ++m)
     for (int t = 0; t < T; ++t) acc[m][t] = _mm512_setzero_ps();
+  // A row alone would wait on each vpdpbusd's latency: it gets two chains, even and odd chunks.
+  constexpr int C = MB == 1 ? 2 : 1;
   for (int64_t g = 0; g < G; ++g) {
-    __m512i dot[MB][T];
+    __m512i dot[MB][T][C];
     for (int m = 0; m < MB; ++m)
-      for (int t = 0; t < T; ++t) dot[m][t] = _mm512_setzero_si512();
-    for (int64_t j = 0; j < kGroup / 4; ++j) {
-      const int64_t k = g * kGroup + j * 4;
-      __m512i wv[T];
       for (int t = 0; t < T; ++t)
-        wv[t] = _mm512_loadu_si512(reinterpret_cast<const void*>(w + t * tile_bytes + k * kTileRows));
+        for (int c = 0; c < C; ++c) dot[m][t][c] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < kGroup / 4; j += 2) {
+      const int64_t c0 = g * (kGroup / 4) + j;  // chunk c covers k = 4c .. 4c + 3
+      __m512i w0[T], w1[T];
+      load_chunk_pair<Q5, T>(w, K, c0, w0, w1);
       for (int m = 0; m < MB; ++m) {
-        int32_t four;
-        std::memcpy(&four, xq.q.data() + (m0 + m) * K + k, 4);
-        const __m512i xb = _mm512_set1_epi32(four);
-        for (int t = 0; t < T; ++t) dot[m][t] = _mm512_dpbusd_epi32(dot[m][t], wv[t], xb);
+        int32_t four[2];
+        std::memcpy(four, xq.q.data() + (m0 + m) * K + c0 * 4, 8);
+        const __m512i x0 = _mm512_set1_epi32(four[0]), x1 = _mm512_set1_epi32(four[1]);
+        for (int t = 0; t < T; ++t) {
+          dot[m][t][0] = _mm512_dpbusd_epi32(dot[m][t][0], w0[t], x0);
+          dot[m][t][C - 1] = _mm512_dpbusd_epi32(dot[m][t][C - 1], w1[t], x1);
+        }
       }
     }
     for (int t = 0; t < T; ++t) {
@@ -145,7 +182,8 @@ inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + (t * G + g) * kTileRows)));
       for (int m = 0; m < MB; ++m) {
         const int64_t mg = (m0 + m) * G + g;
-        const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[m][t], _mm512_set1_epi32(xq.bias[mg])));
+        const __m512i sum = C == 2 ? _mm512_add_epi32(dot[m][t][0], dot[m][t][C - 1]) : dot[m][t][0];
+        const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, _mm512_set1_epi32(xq.bias[mg])));
         acc[m][t] = _mm512_fmadd_ps(d, _mm512_mul_ps(ws, _mm512_set1_ps(xq.scale[mg])), acc[m][t]);
       }
     }
@@ -158,24 +196,37 @@ inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8
     }
 }
 
-template <int T>
+template <bool Q5, int T>
 inline void rows_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
                         const Output& out, int64_t n0) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile_kernel<4, T>(xq, m, K, w, s, out, n0);
-  for (; m + 2 <= M; m += 2) tile_kernel<2, T>(xq, m, K, w, s, out, n0);
-  for (; m < M; ++m) tile_kernel<1, T>(xq, m, K, w, s, out, n0);
+  for (; m + 4 <= M; m += 4) tile_kernel<Q5, 4, T>(xq, m, K, w, s, out, n0);
+  for (; m + 2 <= M; m += 2) tile_kernel<Q5, 2, T>(xq, m, K, w, s, out, n0);
+  for (; m < M; ++m) tile_kernel<Q5, 1, T>(xq, m, K, w, s, out, n0);
+}
+
+template <bool Q5>
+inline void tiles_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
+                         const Output& out, int64_t t0, int64_t t1) {
+  const int64_t G = K / kGroup;
+  const int64_t tile_bytes = kTileRows * K * (Q5 ? 5 : 8) / 8;
+  int64_t t = t0;
+  for (; t + 2 <= t1; t += 2)
+    rows_kernel<Q5, 2>(xq, M, K, w + (t - t0) * tile_bytes, s + t * G * kTileRows, out, t * kTileRows);
+  for (; t < t1; ++t)
+    rows_kernel<Q5, 1>(xq, M, K, w + (t - t0) * tile_bytes, s + t * G * kTileRows, out, t * kTileRows);
 }
 
 // One task: tiles [t0, t1), whose weights start at w.
 inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
                         const Output& out, int64_t t0, int64_t t1) {
-  const int64_t G = K / kGroup;
-  int64_t t = t0;
-  for (; t + 2 <= t1; t += 2)
-    rows_kernel<2>(xq, M, K, w + (t - t0) * kTileRows * K, s + t * G * kTileRows, out, t * kTileRows);
-  for (; t < t1; ++t)
-    rows_kernel<1>(xq, M, K, w + (t - t0) * kTileRows * K, s + t * G * kTileRows, out, t * kTileRows);
+  tiles_kernel<false>(xq, M, K, w, s, out, t0, t1);
+}
+
+// The same from 5-bit tiles, widened in registers: each row block widens them again, so for few rows.
+inline void task_kernel_q5(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
+                           const Output& out, int64_t t0, int64_t t1) {
+  tiles_kernel<true>(xq, M, K, w, s, out, t0, t1);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr const char* kIsa = "avx2";
@@ -303,6 +354,9 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   const int64_t tiles = N / kTileRows;
   const int64_t tasks = (tiles + kTilesPerTask - 1) / kTilesPerTask;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    // Up to this many rows the 5-bit weights are widened in registers as they stream by; above, once into
+    // a buffer that all rows then read.
+    constexpr int64_t kFusedQ5MaxRows = 8;
     constexpr int64_t kWidenTiles = 2;  // 5-bit tiles widened at a time: 28 KB at K = 896, still in L1
     std::vector<uint8_t> widened(bits == 5 ? kWidenTiles * kTileRows * K : 0);
     for (int64_t task = begin; task < end; ++task) {
@@ -311,6 +365,12 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
         task_kernel(xq, M, K, wp + t0 * tile_bytes, sp, out, t0, t1);
         continue;
       }
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if (M <= kFusedQ5MaxRows) {
+        task_kernel_q5(xq, M, K, wp + t0 * tile_bytes, sp, out, t0, t1);
+        continue;
+      }
+#endif
       for (int64_t t = t0; t < t1; t += kWidenTiles) {  // widened once per call, then read by every row of x
         const int64_t te = std::min(t1, t + kWidenTiles);
         for (int64_t i = t; i < te; ++i) widen_q5_tile(wp + i * tile_bytes, K, widened.data() + (i - t) * kTileRows * K);
