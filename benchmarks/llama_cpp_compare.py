@@ -22,6 +22,8 @@ from qwenbatch.bench.llama_cpp import bin_dir, build_info
 from qwenbatch.bench.machine import copy_bandwidth_gbs, gemm_gflops, read_bandwidth_gbs
 from qwenbatch.bench.throughput import matmul_params
 from qwenbatch.bench.workloads import random_workload
+from qwenbatch.layers.int8_linear import Int8Linear
+from qwenbatch.layers.linear import PackedLinear
 from qwenbatch.loader.default_model import default_gguf_path
 
 
@@ -69,6 +71,17 @@ def ours_decode_tps(llm: LLM, ntg: int = 64) -> float:
     start = time.perf_counter()
     llm.generate([prompt[1:] + prompt[:1]], many, use_tqdm=False)
     return (ntg - 1) / (time.perf_counter() - start - t1)
+
+
+def linear_weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of linear weights one decode step reads: packed int8 / 5-bit values and their scales, or dense."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            total += module.packed_weight.nbytes + module.packed_scales.nbytes
+        elif isinstance(module, torch.nn.Linear | PackedLinear):
+            total += module.in_features * module.out_features * dtype.itemsize
+    return total
 
 
 def main() -> None:
@@ -130,14 +143,13 @@ def main() -> None:
         pairs.append((llama_batched(256, 64, [1])[1]["speed_tg"], ours_decode_tps(llm)))
     decode_theirs = statistics.median(t for t, _ in pairs)
     decode_ours = statistics.median(o for _, o in pairs)
-    # int8: a byte a weight and a float16 scale per 32
-    bytes_per_weight = 1 + 2 / 32 if args.quantization == "int8" else torch.tensor([], dtype=dtype).element_size()
-    weight_bytes = (layer_params + head_params) * bytes_per_weight
+    weight_bytes = linear_weight_bytes(llm.engine.runner.model, dtype)
     report["batch1_decode"] = {
         "pairs_tps": [{"llama_cpp": t, "ours": o} for t, o in pairs],
         "ours_tps": decode_ours,
         "llama_cpp_tps": decode_theirs,
         "ours_over_llama_cpp": statistics.median(o / t for t, o in pairs),
+        "weight_bytes_per_step": weight_bytes,
         "ours_weight_read_gbs": weight_bytes * decode_ours / 1e9,
         "fraction_of_read_bandwidth": weight_bytes * decode_ours / 1e9 / report["read_bandwidth_gbs"],
     }
