@@ -73,6 +73,9 @@ class EngineConfig:
     # half-precision dtypes where a C++ compiler is found (built once, ~60 s); off in float32, whose bits then
     # stay PyTorch's; always on with int8.
     cpu_kernels: str = "auto"
+    # CPU: torch.compile (inductor, frozen weights) of the model, attention opaque, instead of the fused CPU
+    # kernels (which it would only see as opaque calls); off by default (BENCHMARKS.md: it decodes slower).
+    compile: bool = False
     max_model_len: int | None = None  # default: the model's context length, capped by the KV pool
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -107,6 +110,10 @@ class EngineConfig:
             raise ValueError("cpu_kernels on: the CPU kernels run on the CPU only")
         if self.cpu_kernels == "off" and self.quantization == "int8":
             raise ValueError("quantization int8 runs in the CPU kernels: it cannot have cpu_kernels off")
+        if self.compile and self.resolved_device.type != "cpu":
+            raise ValueError("compile runs on the CPU only (CUDA replays decode steps as CUDA graphs)")
+        if self.compile and (self.quantization == "int8" or self.cpu_kernels == "on"):
+            raise ValueError("compile replaces the CPU kernels: it cannot run with quantization int8 or cpu_kernels on")
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {util!r}")
@@ -149,7 +156,7 @@ class EngineConfig:
     @property
     def uses_cpu_kernels(self) -> bool:
         """Whether the model runs our fused CPU kernels (what ``cpu_kernels`` auto stands for, resolved)."""
-        if self.resolved_device.type != "cpu" or self.cpu_kernels == "off":
+        if self.resolved_device.type != "cpu" or self.cpu_kernels == "off" or self.compile:
             return False
         if self.cpu_kernels == "on" or self.quantization == "int8":
             return True

@@ -72,6 +72,13 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
         help="CPU: fused norms, SiLU*up, RoPE and paged decode attention in our C++ kernels (built once, ~60 s; "
         "auto: on for bfloat16/float16 where a C++ compiler exists, off in float32)",
     )
+    g.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="CPU: torch.compile (inductor, frozen weights) the model, attention left opaque, in place of "
+        "--cpu-kernels; compiles in the first steps (~1 min); off by default: it decodes slower (BENCHMARKS.md)",
+    )
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     if not sweep:
         g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step")

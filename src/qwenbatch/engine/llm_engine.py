@@ -65,6 +65,7 @@ class LLMEngine:
             config.quantization,
             config.uses_cpu_kernels,
             required=config.cpu_kernels == "on" or config.quantization == "int8",  # auto falls back
+            compile=config.compile,
         )
         self.runner = ModelRunner(
             loaded.model,

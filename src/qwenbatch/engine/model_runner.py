@@ -19,6 +19,7 @@ from qwenbatch.layers.attention import (
     StepLayout,
     TorchAttentionMetadata,
 )
+from qwenbatch.layers.opaque_attention import step_attention
 from qwenbatch.layers.sampler import SamplingRow, sample
 from qwenbatch.loader.kernels import ModelKernels
 from qwenbatch.models.config import ModelConfig
@@ -89,6 +90,8 @@ class ModelRunner:
         self.device = device
         self.kv_caches: list[torch.Tensor] = []
         self._graphs = None
+        # --compile: one graph per step shape class, symbolic in the token count; weights frozen into it.
+        self._compiled = torch.compile(model, dynamic=True, options={"freezing": True}) if kernels.compiled else None
         if attention_backend == "triton":
             from qwenbatch.layers.triton_backend import TritonAttentionMetadata
 
@@ -179,6 +182,9 @@ class ModelRunner:
         meta = self._metadata_class.build(layout, self.device)
         ids = torch.tensor(layout.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(layout.positions, dtype=torch.long, device=self.device)
+        if self._compiled is not None:
+            with step_attention(meta) as opaque:
+                return self._compiled(ids, positions, kv_caches, opaque)
         return self.model(ids, positions, kv_caches, meta)
 
     @torch.inference_mode()

@@ -57,8 +57,9 @@ def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module], ke
     return len(names)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a PackedLinear; returns how many were replaced."""
-    count = replace_linears(model, PackedLinear)
+def pack_linears(model: nn.Module, keep=lambda linear: False) -> int:
+    """Replace every ``nn.Linear`` of ``model`` (but those ``keep`` says to leave) by a PackedLinear; returns
+    how many were replaced."""
+    count = replace_linears(model, PackedLinear, keep)
     logger.info("packed %d linear layers for oneDNN", count)
     return count

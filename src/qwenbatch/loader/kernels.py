@@ -18,8 +18,9 @@ logger = logging.getLogger(__name__)
 class ModelKernels:
     """What ``prepare_kernels`` chose; ``linear_kernels`` is recorded in the log and in bench JSON."""
 
-    linear_kernels: str  # e.g. "torch", "onednn-prepacked-bfloat16", "int8-avx512vnni"
+    linear_kernels: str  # e.g. "torch", "onednn-prepacked-bfloat16", "int8-avx512vnni", "inductor"
     cpu_kernels: bool  # norms, SiLU * up, RoPE and decode attention run in layers/csrc (the int8 path)
+    compiled: bool = False  # the runner compiles the model (--compile); its linears stay nn.Linear for inductor
 
 
 def prepare_kernels(
@@ -29,6 +30,7 @@ def prepare_kernels(
     quantization: str,
     cpu_kernels: bool,
     required: bool = True,
+    compile: bool = False,
 ) -> ModelKernels:
     """Swap ``model``'s layers in place for the fastest kernels this CPU has (nothing changes on CUDA).
 
@@ -37,8 +39,18 @@ def prepare_kernels(
     gather); int8 needs them. Linears that stay dense are prepacked for oneDNN where it has a fast path
     for ``dtype``. Kernels that fail to build raise RuntimeError if ``required``, else the PyTorch layers stay
     (with a warning). With int8 the model may arrive in float32 (quantized from exact weights) and leaves in
-    ``dtype``.
+    ``dtype``. With ``compile`` only the LM head (run outside the compiled graph) is prepacked: inductor packs
+    the rest itself when it freezes the weights.
     """
+    if compile:
+        packed = onednn_available(dtype, device) and pack_linears(
+            model, keep=lambda linear: linear is not model.lm_head
+        )
+        return ModelKernels(
+            f"inductor+lm-head-onednn-prepacked-{str(dtype).removeprefix('torch.')}" if packed else "inductor",
+            False,
+            True,
+        )
     linear_kernels = "torch"
     if cpu_kernels:
         from qwenbatch.layers.cpu_kernels import use_cpu_kernels
