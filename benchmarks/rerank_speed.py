@@ -116,6 +116,7 @@ def ours(llm: LLM, pairs: list[tuple[str, str]]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--quantization", default="none", choices=["none", "int8"], help="ours only")
     parser.add_argument("--docs", type=int, default=256, help="one query against this many documents")
     parser.add_argument("--queries", default="16x64", help="QxD: Q queries, D documents each")
     parser.add_argument("--batch-sizes", default="1,2,4,8,16", help="32 needs ~9 GB for its full logits")
@@ -123,7 +124,7 @@ def main() -> int:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     folder = make_weights(dtype)
-    llm = LLM(model=str(folder), dtype=args.dtype, task="rerank")
+    llm = LLM(model=str(folder), dtype=args.dtype, task="rerank", quantization=args.quantization)
     num_queries, per_query = (int(x) for x in args.queries.split("x"))
     workloads = {
         f"1x{args.docs}": [(QUERIES[0], d) for d in random_documents(llm.tokenizer, args.docs, 0)],
@@ -134,7 +135,7 @@ def main() -> int:
         ],
     }
     llm.score(workloads[args.queries][:2], use_tqdm=False)  # warm-up
-    result = {"dtype": args.dtype, "workloads": {}}
+    result = {"dtype": args.dtype, "quantization": args.quantization, "workloads": {}}
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     for name, pairs in workloads.items():
         mine = ours(llm, pairs)
