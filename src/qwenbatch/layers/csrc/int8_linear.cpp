@@ -16,8 +16,7 @@
 // 5-bit weights (GGUF's Q5_0: q in [-16, 15]) are stored in 5/8 of the bytes and widened into the layout
 // above as they are used. Per tile of 16 rows and group of 32 k (8 chunks of 4 k), 320 bytes: the low nibbles
 // of u5 = q + 16, one 64-byte block per two consecutive chunks (the first in the low nibble), then the 8
-// chunks' fifth bits, 64 bits little-endian each, bit b for byte b of the chunk. A tile is one stream of
-// 10 * K bytes, as the hardware prefetcher likes it.
+// chunks' fifth bits, 64 bits little-endian each, bit b for byte b of the chunk: one stream of 10 * K bytes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -120,7 +119,6 @@ inline void widen_q5_tile(const uint8_t* src, int64_t K, uint8_t* dst) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr const char* kIsa = "avx512-vnni";
 
-
 // The weights of two consecutive 4-k chunks (c0, c0 + 1) of T tiles, as u = q + 128 bytes: loaded (8-bit
 // layout), or widened in registers from the 5-bit one (see widen_q5_tile).
 template <bool Q5, int T>
@@ -130,9 +128,6 @@ inline void load_chunk_pair(const uint8_t* w, int64_t K, int64_t c0, __m512i (&w
     const uint8_t* wt = w + t * tile_bytes;
     if constexpr (Q5) {
       const __m512i low4 = _mm512_set1_epi8(0x0F), base = _mm512_set1_epi8(0x70), sixteen = _mm512_set1_epi8(16);
-      if (c0 % 8 == 0)  // streams from DRAM slower than it computes without help: fetch 6 groups ahead
-        for (int64_t line = 0; line < kQ5GroupBytes; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(q5_nibbles(wt, c0) + 6 * kQ5GroupBytes + line), _MM_HINT_T0);
       const __m512i nib = _mm512_loadu_si512(reinterpret_cast<const void*>(q5_nibbles(wt, c0)));
       const __m512i a = _mm512_ternarylogic_epi32(nib, low4, base, 0xEA);
       const __m512i b = _mm512_ternarylogic_epi32(_mm512_srli_epi16(nib, 4), low4, base, 0xEA);
@@ -357,7 +352,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
     // Up to this many rows the 5-bit weights are widened in registers as they stream by; above, once into
     // a buffer that all rows then read.
     constexpr int64_t kFusedQ5MaxRows = 8;
-    constexpr int64_t kWidenTiles = 2;  // 5-bit tiles widened at a time: 28 KB at K = 896, still in L1
+    constexpr int64_t kWidenTiles = 2;  // 5-bit tiles widened at a time: 28 KB at K = 896
     std::vector<uint8_t> widened(bits == 5 ? kWidenTiles * kTileRows * K : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t0 = task * kTilesPerTask, t1 = std::min(tiles, t0 + kTilesPerTask);
