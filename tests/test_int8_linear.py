@@ -211,6 +211,8 @@ def test_engine_keeps_a_q5_0_gguf_exact_in_bfloat16(tiny_qwen2, tmp_path):
     layers = dict(llm.engine.runner.model.named_modules())
     int8_layers = {name: m for name, m in layers.items() if isinstance(m, Int8Linear)}
     assert int8_layers and all(m.q5_exact and m.exact for m in int8_layers.values())
+    # Quantized from the file's float32 values, one layer at a time: the model itself loaded in bfloat16.
+    assert all(p.dtype == torch.bfloat16 for p in llm.engine.runner.model.parameters())
     five_bit = kernels().isa() == "avx512-vnni"
     assert all(m.bits == (5 if five_bit else 8) for m in int8_layers.values())
     # The layer computes with the file's blocks, not with a bfloat16 rounding of them.

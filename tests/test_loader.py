@@ -157,6 +157,27 @@ def test_sharded_checkpoint_loads_like_one_file(tiny_qwen3, tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_checkpoint_reader_gives_the_files_values_behind_a_bfloat16_model(tiny_qwen2, tiny_qwen3):
+    from safetensors.torch import load_file as load_pt
+
+    # int8 quantizes from these: a fused parameter from its parts, a tied head through the embedding's name.
+    for folder in (tiny_qwen2, tiny_qwen3):
+        loaded = load_model(str(folder), "auto", torch.bfloat16, CPU)
+        assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
+        tensors = load_pt(str(folder / "model.safetensors"))
+        qkv = loaded.checkpoint.read("model.layers.1.self_attn.qkv_proj.weight")
+        parts = [tensors[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]
+        assert qkv.dtype == torch.float32 and torch.equal(qkv, torch.cat(parts))
+        q_rows = parts[0].shape[0]  # a slice across the q and k parts reads only its rows, from both
+        assert torch.equal(
+            loaded.checkpoint.read("model.layers.1.self_attn.qkv_proj.weight", q_rows - 3, q_rows + 5),
+            qkv[q_rows - 3 : q_rows + 5],
+        )
+        embedding = loaded.checkpoint.read("model.embed_tokens.weight")
+        assert torch.equal(embedding, tensors["model.embed_tokens.weight"])
+        assert not torch.equal(embedding, loaded.model.model.embed_tokens.weight.float())  # bf16 rounded it
+
+
 # -- dummy weights --------------------------------------------------------------------------------
 
 

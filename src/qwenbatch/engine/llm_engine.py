@@ -42,10 +42,7 @@ class LLMEngine:
         self.dtype = config.torch_dtype
         device = self.device = config.resolved_device
         torch.manual_seed(config.seed)
-        # int8 quantizes from float32 weights, so a GGUF's Q8_0 and Q5_0 blocks come back exactly (a bf16
-        # copy would round them first); prepare_kernels then casts what stays dense to the model's dtype.
-        load_dtype = torch.float32 if config.quantization == "int8" else self.dtype
-        loaded = load_model(config.model, config.load_format, load_dtype, device, config.seed)
+        loaded = load_model(config.model, config.load_format, self.dtype, device, config.seed)
         self.model_config = loaded.config
         tokenizer_dir = resolve_model_dir(config.tokenizer) if config.tokenizer else loaded.tokenizer_dir
         self.tokenizer = Tokenizer(tokenizer_dir, loaded.config.eos_token_ids) if tokenizer_dir else None
@@ -66,6 +63,7 @@ class LLMEngine:
             config.uses_cpu_kernels,
             required=config.cpu_kernels == "on" or config.quantization == "int8",  # auto falls back
             compile=config.compile,
+            checkpoint=loaded.checkpoint,
         )
         self.runner = ModelRunner(
             loaded.model,

@@ -8,7 +8,8 @@ kind). The kernel is ``csrc/int8_linear.cpp``, built by ``layers/cpu_kernels.py`
 
 Quantization is symmetric, per group of 32 along the input dimension (GGUF's Q8_0 and Q5_0 blocks): a group
 dequantized from Q8_0 or Q5_0 is held exactly; others round to the nearest of 255 levels of their group. The
-weights must come in float32 for that (a bfloat16 copy has already rounded them). A tensor whose every group
+weights must come in float32 for that (a bfloat16 copy has already rounded them): the loader re-reads each one
+from the checkpoint as its layer is quantized. A tensor whose every group
 is a Q5_0 block (the default model's gate/up and attention output) is stored in 5 bits where the kernel
 widens them fast (AVX-512): a batch-1 decode step is bound by the bytes it reads.
 """
@@ -16,6 +17,7 @@ widens them fast (AVX-512): a batch-1 decode step is bound by the bytes it reads
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -114,34 +116,54 @@ class Int8Linear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` held as packed int8, or 5-bit where it is Q5_0-exact and ``five_bit``
     (rows padded to a multiple of 16)."""
 
-    def __init__(self, linear: nn.Linear, five_bit: bool = False) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        five_bit: bool = False,
+        read_rows: Callable[[int, int], torch.Tensor] | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        """``read_rows(start, stop)`` and ``bias``: those rows of ``linear``'s weight, and its bias, as the
+        checkpoint holds them (float32) when ``linear`` holds a rounded copy; by default ``linear``'s own."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
         self.padded_out = -(-self.out_features // TILE_ROWS) * TILE_ROWS
-        if self.padded_out != self.out_features:
-            weight = F.pad(weight, (0, 0, 0, self.padded_out - self.out_features))
-        # In slices of rows: the float32 temporaries of a 151,936-row LM head would otherwise add GBs to the peak.
-        slices = [weight[i : i + _ROWS_PER_SLICE] for i in range(0, self.padded_out, _ROWS_PER_SLICE)]
-        quantized, self.q5_exact = [], True  # every group a Q5_0 block, else the int8 rule per group
-        for part in slices:
-            values, scales = quantize_weight_q5(part)
-            if not is_exact(part, values, scales):
-                quantized, self.q5_exact = [quantize_weight(part) for part in slices], False
-                break
-            quantized.append((values, scales))
-        self.exact = self.q5_exact or all(
-            is_exact(part, v, sc) for part, (v, sc) in zip(slices, quantized, strict=True)
-        )
-        self.bits = 5 if five_bit and self.q5_exact else 8
-        parts = [(pack_q5 if self.bits == 5 else pack)(v, sc) for v, sc in quantized]
+        if read_rows is None:
+            read_rows = lambda start, stop: linear.weight.detach()[start:stop]  # noqa: E731
+        # Every group a Q5_0 block (held in 5 bits where ``five_bit``), else the int8 rule per group.
+        self.q5_exact = True
+        self.bits = 5 if five_bit else 8
+        parts, self.exact = self._quantized_slices(read_rows, quantize_weight_q5, pack_q5 if five_bit else pack)
+        if not self.exact:
+            self.q5_exact, self.bits = False, 8
+            parts, self.exact = self._quantized_slices(read_rows, quantize_weight, pack)
         self.packed_weight = torch.cat([w for w, _ in parts])
         self.packed_scales = torch.cat([sc for _, sc in parts])
-        bias = None if linear.bias is None else linear.bias.detach().float()
+        if bias is None and linear.bias is not None:
+            bias = linear.bias.detach()
+        bias = None if bias is None else bias.float()
         if bias is not None and self.padded_out != self.out_features:
             bias = F.pad(bias, (0, self.padded_out - self.out_features))
         self.bias = bias
         self._kernels = kernels()
+
+    def _quantized_slices(
+        self, read_rows, quantize, pack_slice
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
+        """The weight quantized and packed in slices of rows, each read only when it is quantized (the float32
+        temporaries of a 151,936-row LM head would otherwise add GBs to the peak), and whether every slice is
+        held exactly. Q5_0's rule stops at the first slice it does not hold exactly."""
+        parts, all_exact = [], True
+        for start in range(0, self.padded_out, _ROWS_PER_SLICE):
+            stop = min(start + _ROWS_PER_SLICE, self.padded_out)
+            weight = read_rows(start, min(stop, self.out_features))
+            weight = F.pad(weight, (0, 0, 0, stop - start - weight.shape[0]))  # rows up to a multiple of 16
+            values, scales = quantize(weight)
+            all_exact &= is_exact(weight, values, scales)
+            if quantize is quantize_weight_q5 and not all_exact:
+                return [], False
+            parts.append(pack_slice(values, scales))
+        return parts, all_exact
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -164,13 +186,27 @@ def int8_supported(linear: nn.Linear) -> bool:
     return linear.in_features % GROUP_SIZE == 0
 
 
-def quantize_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` the kernel supports by an Int8Linear; returns how many."""
+def quantize_linears(model: nn.Module, exact_weight: Callable[[str, int, int], torch.Tensor] | None = None) -> int:
+    """Replace every ``nn.Linear`` of ``model`` the kernel supports by an Int8Linear; returns how many.
+
+    ``exact_weight(name, start, stop)`` gives rows of a parameter of ``model`` (by its name) as the checkpoint
+    holds them, in float32: the layers quantize from them, a slice at a time, when the model was loaded in a
+    narrower dtype. Without it they
+    quantize from the model's own weights.
+    """
     module = kernels()  # build before the first layer, so a missing compiler fails fast
     five_bit = module.isa() == "avx512-vnni"  # elsewhere widening 5 bits costs more than the bytes it saves
-    count = replace_linears(
-        model, lambda linear: Int8Linear(linear, five_bit), keep=lambda linear: not int8_supported(linear)
-    )
+    # By identity, so a tied LM head finds the embedding's name (the only name its weight has).
+    param_names = {id(param): name for name, param in model.named_parameters()}
+
+    def make(linear: nn.Linear) -> Int8Linear:
+        if exact_weight is None:
+            return Int8Linear(linear, five_bit)
+        name = param_names[id(linear.weight)]
+        bias = None if linear.bias is None else exact_weight(param_names[id(linear.bias)], 0, linear.out_features)
+        return Int8Linear(linear, five_bit, lambda start, stop: exact_weight(name, start, stop), bias)
+
+    count = replace_linears(model, make, keep=lambda linear: not int8_supported(linear))
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     logger.info(
         "quantized %d linear layers to int8 (%s kernel): %d hold their weights exactly (Q8_0 / Q5_0 blocks), "

@@ -15,7 +15,7 @@ from torch import nn
 from qwenbatch.loader.default_model import cache_root, default_model_dir
 from qwenbatch.loader.dummy import dummy_config, load_dummy_model
 from qwenbatch.loader.gguf import convert_gguf
-from qwenbatch.loader.hf import load_hf_model
+from qwenbatch.loader.hf import CheckpointReader, load_hf_model
 from qwenbatch.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -25,11 +25,13 @@ LOAD_FORMATS = ("auto", "dummy")
 
 @dataclass
 class LoadedModel:
-    """A model ready to run, and where its tokenizer lives (None for dummy shapes without one)."""
+    """A model ready to run, where its tokenizer lives (None for dummy shapes without one), and its weights
+    as the files hold them (None for dummy weights), for layers that re-read them more exactly."""
 
     model: nn.Module
     config: ModelConfig
     tokenizer_dir: Path | None
+    checkpoint: CheckpointReader | None = None
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -96,4 +98,5 @@ def load_model(model: str, load_format: str, dtype: torch.dtype, device: torch.d
         return LoadedModel(load_dummy_model(cfg, dtype, device, seed), cfg, tokenizer_dir)
     folder = resolve_model_dir(model)
     cfg = ModelConfig.from_folder(folder)
-    return LoadedModel(load_hf_model(folder, dtype, device), cfg, folder)
+    loaded = load_hf_model(folder, dtype, device)
+    return LoadedModel(loaded, cfg, folder, CheckpointReader(folder, loaded))

@@ -92,6 +92,87 @@ def _read_into(f, entry: TensorEntry, target: torch.Tensor) -> None:
         target.copy_(dest)
 
 
+@dataclass(frozen=True)
+class _Part:
+    """One checkpoint tensor and the rows of our parameter it fills."""
+
+    path: Path
+    entry: TensorEntry
+    rows: slice
+
+
+class CheckpointReader:
+    """A model's parameters as its folder's safetensors hold them, read on demand by our parameter names.
+
+    The loader fills a model from it; ``--quantization int8`` re-reads linear weights from it in float32,
+    since the loaded model may hold a rounded (bfloat16) copy and int8 must see a GGUF's blocks exactly.
+    Building it checks the files against ``model``: unexpected tensors, missing ones and shape mismatches
+    raise ValueError naming the file and the tensor.
+    """
+
+    def __init__(self, folder: Path, model: nn.Module) -> None:
+        cfg = model.config
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{folder}: no *.safetensors files in the model folder")
+        expected = model.checkpoint_names()
+        params = dict(model.named_parameters())
+        self.files = files
+        self._parts: dict[str, list[_Part]] = {}
+        self._shapes = {name: tuple(p.shape) for name, p in params.items()}
+        for path in files:
+            for entry in read_safetensors_index(path):
+                if entry.name not in expected:
+                    if entry.name == "lm_head.weight" and cfg.tie_word_embeddings:
+                        continue  # some tied checkpoints still store the head
+                    raise ValueError(f"{path}: unexpected tensor '{entry.name}' for {cfg.architecture}")
+                ours, rows = expected[entry.name]
+                target_shape = tuple(params[ours].data[rows].shape)
+                if entry.shape != target_shape:
+                    raise ValueError(
+                        f"{path}: tensor '{entry.name}' has shape {entry.shape}, config.json implies {target_shape}"
+                    )
+                self._parts.setdefault(ours, []).append(_Part(path, entry, rows))
+        seen = {part.entry.name for parts in self._parts.values() for part in parts}
+        missing = sorted(set(expected) - seen)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(f"{folder}: checkpoint is missing tensors: {shown}")
+
+    @property
+    def tensor_count(self) -> int:
+        return sum(len(parts) for parts in self._parts.values())
+
+    def read_into(self, name: str, target: torch.Tensor) -> None:
+        """Fill ``target`` (our parameter ``name``'s shape, any dtype) with the checkpoint's values."""
+        for part in self._parts[name]:
+            with part.path.open("rb", buffering=0) as f:
+                _read_into(f, part.entry, target[part.rows])
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of our parameter ``name`` as the checkpoint holds them, in float32 (a new
+        tensor); only those rows are read, so a large weight can be taken in slices."""
+        shape = self._shapes[name]
+        stop = shape[0] if stop is None else min(stop, shape[0])
+        out = torch.empty((stop - start, *shape[1:]), dtype=torch.float32)
+        for part in self._parts[name]:
+            first, last, _ = part.rows.indices(shape[0])  # the parameter rows this tensor fills
+            lo, hi = max(first, start), min(last, stop)
+            if lo >= hi:
+                continue
+            row_bytes = part.entry.nbytes // max(part.entry.shape[0], 1)
+            rows = TensorEntry(
+                part.entry.name,
+                part.entry.dtype,
+                (hi - lo, *part.entry.shape[1:]),
+                part.entry.offset + (lo - first) * row_bytes,
+                (hi - lo) * row_bytes,
+            )
+            with part.path.open("rb", buffering=0) as f:
+                _read_into(f, rows, out[lo - start : hi - start])
+        return out
+
+
 def load_hf_model(folder: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Load ``folder``'s safetensors (one file or sharded) into a freshly built model.
 
@@ -101,33 +182,9 @@ def load_hf_model(folder: Path, dtype: torch.dtype, device: torch.device) -> nn.
     Missing tensors, unexpected ones and shape mismatches raise ValueError naming the file and
     the tensor.
     """
-    cfg = ModelConfig.from_folder(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no *.safetensors files in the model folder")
-    model = instantiate(cfg, dtype, device)
-    expected = model.checkpoint_names()
-    params = dict(model.named_parameters())
-    seen: set[str] = set()
-    for path in files:
-        with path.open("rb", buffering=0) as f:
-            for entry in read_safetensors_index(path):
-                if entry.name not in expected:
-                    if entry.name == "lm_head.weight" and cfg.tie_word_embeddings:
-                        continue  # some tied checkpoints still store the head
-                    raise ValueError(f"{path}: unexpected tensor '{entry.name}' for {cfg.architecture}")
-                ours, rows = expected[entry.name]
-                target = params[ours].data[rows]
-                if entry.shape != tuple(target.shape):
-                    raise ValueError(
-                        f"{path}: tensor '{entry.name}' has shape {entry.shape}, "
-                        f"config.json implies {tuple(target.shape)}"
-                    )
-                _read_into(f, entry, target)
-                seen.add(entry.name)
-    missing = sorted(set(expected) - seen)
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"{folder}: checkpoint is missing tensors: {shown}")
-    logger.info("loaded %s (%d tensors from %d files) as %s", folder, len(seen), len(files), dtype)
+    model = instantiate(ModelConfig.from_folder(folder), dtype, device)
+    reader = CheckpointReader(folder, model)
+    for name, param in model.named_parameters():
+        reader.read_into(name, param.data)
+    logger.info("loaded %s (%d tensors from %d files) as %s", folder, reader.tensor_count, len(reader.files), dtype)
     return model

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from qwenbatch.layers.linear import onednn_available, pack_linears
+from qwenbatch.loader.hf import CheckpointReader
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ def prepare_kernels(
     cpu_kernels: bool,
     required: bool = True,
     compile: bool = False,
+    checkpoint: CheckpointReader | None = None,
 ) -> ModelKernels:
     """Swap ``model``'s layers in place for the fastest kernels this CPU has (nothing changes on CUDA).
 
@@ -38,9 +40,9 @@ def prepare_kernels(
     (layers/cpu_kernels.py: a small step is otherwise mostly PyTorch per-op overhead and decode attention's
     gather); int8 needs them. Linears that stay dense are prepacked for oneDNN where it has a fast path
     for ``dtype``. Kernels that fail to build raise RuntimeError if ``required``, else the PyTorch layers stay
-    (with a warning). With int8 the model may arrive in float32 (quantized from exact weights) and leaves in
-    ``dtype``. With ``compile`` only the LM head (run outside the compiled graph) is prepacked: inductor packs
-    the rest itself when it freezes the weights.
+    (with a warning). With int8 each linear is quantized from its weights as ``checkpoint`` holds them, in
+    float32 (the model's copy may be rounded), a slice at a time. With ``compile`` only the LM head (run
+    outside the compiled graph) is prepacked: inductor packs the rest itself when it freezes the weights.
     """
     if compile:
         packed = onednn_available(dtype, device) and pack_linears(
@@ -66,8 +68,7 @@ def prepare_kernels(
         from qwenbatch.layers.cpu_kernels import kernels
         from qwenbatch.layers.int8_linear import quantize_linears
 
-        quantize_linears(model)
-        model.to(dtype)  # the dense rest (embeddings, norms); the int8 layers keep their own formats
+        quantize_linears(model, None if checkpoint is None else checkpoint.read)
         linear_kernels = f"int8-{kernels().isa()}"
     if onednn_available(dtype, device) and pack_linears(model):  # what int8 left dense, or every linear
         packed = f"onednn-prepacked-{str(dtype).removeprefix('torch.')}"
