@@ -13,6 +13,7 @@ from qwenbatch.layers.int8_linear import (
     GROUP_SIZE,
     Int8Linear,
     dequantize,
+    exact_groups,
     is_exact,
     pack,
     pack_q5,
@@ -148,6 +149,30 @@ def test_a_layer_of_q5_0_and_q8_0_rows_is_held_exactly_in_8_bits():
     assert (layer.bits, layer.q5_exact, layer.exact) == (8, False, True)
     values, scales = quantize_weight(dense.weight.data)
     assert torch.equal(dequantize(values, scales), dense.weight.data)
+
+
+def test_the_kernels_quantizer_follows_the_reference_rules():
+    torch.manual_seed(8)
+    q8_values = torch.randint(-127, 128, (16, 64), dtype=torch.int8)
+    q8_values[:, ::GROUP_SIZE] = -127
+    weight = torch.cat(
+        [
+            torch.randn(32, 64),  # neither rule exact
+            dequantize(*q5_0_blocks(32, 64)),
+            dequantize(q8_values, (torch.rand(16, 2) * 0.01 + 1e-4).half()),
+            torch.zeros(16, 64),  # scale 0
+            torch.randn(16, 64).bfloat16().float(),
+        ]
+    )
+    weight[-1, :GROUP_SIZE] = torch.tensor([0.5, -0.5] * 16)  # a tie in magnitude: the first one sets Q5_0's sign
+    weight[-2, :GROUP_SIZE] = torch.arange(GROUP_SIZE) * 0.25 - 4  # values halfway between steps round to even
+    values, scales, q5, exact = kernels().quantize_groups(weight)
+    want_values, want_scales = quantize_weight(weight)
+    assert torch.equal(values, want_values) and torch.equal(scales, want_scales)
+    q5_values, q5_scales = quantize_weight_q5(weight)
+    assert torch.equal(q5, exact_groups(weight, q5_values, q5_scales))
+    assert torch.equal(exact, exact_groups(weight, values, scales))
+    assert bool(q5[32:64].all()) and not bool(q5[:32].any()) and bool(exact[32:96].all())
 
 
 def test_quantize_weight_error_is_half_a_step_at_most():

@@ -37,7 +37,9 @@ _ROWS_PER_SLICE = 4096  # a multiple of TILE_ROWS: slices pack independently
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` [N, K] (K a multiple of 32) -> (int8 values [N, K], float16 scales [N, K / 32]), symmetric
     per group of 32: scale = max |w| / 127, rounded to float16 before the values are rounded to it (Q8_0's
-    rule) -- except groups that Q5_0's rule (``quantize_weight_q5``) holds exactly, which keep its values."""
+    rule) -- except groups that Q5_0's rule (``quantize_weight_q5``) holds exactly, which keep its values.
+
+    The reference: layers quantize with the kernel module's ``quantize_groups`` (one pass in C++, tested equal)."""
     n, k = weight.shape
     groups = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
     scales = (groups.abs().amax(-1) / 127).half()
@@ -130,13 +132,20 @@ class Int8Linear(nn.Module):
         self.padded_out = -(-self.out_features // TILE_ROWS) * TILE_ROWS
         if read_rows is None:
             read_rows = lambda start, stop: linear.weight.detach()[start:stop]  # noqa: E731
-        # Every group a Q5_0 block (held in 5 bits where ``five_bit``), else the int8 rule per group.
-        self.q5_exact = True
-        self.bits = 5 if five_bit else 8
-        parts, self.exact = self._quantized_slices(read_rows, quantize_weight_q5, pack_q5 if five_bit else pack)
-        if not self.exact:
-            self.q5_exact, self.bits = False, 8
-            parts, self.exact = self._quantized_slices(read_rows, quantize_weight, pack)
+        self._kernels = kernels()
+        # In slices of rows, each read when it is quantized: the float32 temporaries of a 151,936-row LM head
+        # would otherwise add GBs to the peak. Every group a Q5_0 block: 5 bits where ``five_bit``.
+        quantized, self.q5_exact, self.exact = [], True, True
+        for start in range(0, self.padded_out, _ROWS_PER_SLICE):
+            stop = min(start + _ROWS_PER_SLICE, self.padded_out)
+            weight = read_rows(start, min(stop, self.out_features)).float()
+            weight = F.pad(weight, (0, 0, 0, stop - start - weight.shape[0]))  # rows up to a multiple of 16
+            values, scales, q5, exact = self._kernels.quantize_groups(weight)
+            self.q5_exact &= bool(q5.all())
+            self.exact &= bool(exact.all())
+            quantized.append((values, scales))
+        self.bits = 5 if five_bit and self.q5_exact else 8
+        parts = [(pack_q5 if self.bits == 5 else pack)(values, scales) for values, scales in quantized]
         self.packed_weight = torch.cat([w for w, _ in parts])
         self.packed_scales = torch.cat([sc for _, sc in parts])
         if bias is None and linear.bias is not None:
@@ -145,25 +154,6 @@ class Int8Linear(nn.Module):
         if bias is not None and self.padded_out != self.out_features:
             bias = F.pad(bias, (0, self.padded_out - self.out_features))
         self.bias = bias
-        self._kernels = kernels()
-
-    def _quantized_slices(
-        self, read_rows, quantize, pack_slice
-    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
-        """The weight quantized and packed in slices of rows, each read only when it is quantized (the float32
-        temporaries of a 151,936-row LM head would otherwise add GBs to the peak), and whether every slice is
-        held exactly. Q5_0's rule stops at the first slice it does not hold exactly."""
-        parts, all_exact = [], True
-        for start in range(0, self.padded_out, _ROWS_PER_SLICE):
-            stop = min(start + _ROWS_PER_SLICE, self.padded_out)
-            weight = read_rows(start, min(stop, self.out_features))
-            weight = F.pad(weight, (0, 0, 0, stop - start - weight.shape[0]))  # rows up to a multiple of 16
-            values, scales = quantize(weight)
-            all_exact &= is_exact(weight, values, scales)
-            if quantize is quantize_weight_q5 and not all_exact:
-                return [], False
-            parts.append(pack_slice(values, scales))
-        return parts, all_exact
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
