@@ -40,7 +40,7 @@ def test_silu_and_mul_matches_the_layer(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (4, 4, 32), (16, 2, 128)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (4, 4, 32), (16, 2, 128), (24, 2, 64)])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_paged_decode_matches_the_gathering_path(dtype, heads, kv_heads, head_dim, block_size):
     torch.manual_seed(2)
