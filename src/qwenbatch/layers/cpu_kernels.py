@@ -2,8 +2,8 @@
 
 One extension module, built by torch's C++ extension builder with ``-march=native`` for the CPU it runs
 on (~60 s once, then loaded from torch's extension cache, ~/.cache/torch_extensions); it needs a C++
-compiler. The module name carries a hash of the CPU's flags, so a cache shared by machines of different
-kinds never loads a binary built for another.
+compiler. The module name carries a hash of the CPU's flags and of the sources, so a cache shared by
+machines of different kinds never loads a binary built for another, nor an old build of changed sources.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from qwenbatch.layers.rotary import Rope, RotaryEmbedding
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("bindings.cpp", "int8_linear.cpp", "quantize.cpp", "cpu_ops.cpp")
+_SOURCES = ("bindings.cpp", "int8_linear.cpp", "quantize.cpp", "cpu_ops.cpp", "decode_layer.cpp")
 # -march per build target; "native" is what the engine uses, the others let tests check every code path here.
 _TARGETS = {"native": "-march=native", "avx2": "-march=x86-64-v3", "portable": "-march=x86-64-v2"}
 
@@ -43,7 +43,9 @@ def kernels(target: str = "native"):
     has AVX-512 VNNI, else its AVX2 one, else plain loops); ``avx2`` and ``portable`` force the others."""
     from torch.utils.cpp_extension import load
 
-    key = hashlib.sha256((_cpu_flags() if target == "native" else target).encode()).hexdigest()[:12]
+    # The sources are in the key too: torch rebuilds when a .cpp changes, but not when only a header does.
+    sources = b"".join(path.read_bytes() for path in sorted(_CSRC.iterdir()))
+    key = hashlib.sha256((_cpu_flags() if target == "native" else target).encode() + sources).hexdigest()[:12]
     started = time.perf_counter()
     try:
         module = load(

@@ -69,6 +69,11 @@ def prepare_kernels(
         from qwenbatch.layers.int8_linear import quantize_linears
 
         quantize_linears(model, None if checkpoint is None else checkpoint.read)
+        if cpu_kernels:
+            from qwenbatch.layers.fused_decode import fuse_decode_layers
+
+            fused = fuse_decode_layers(model)
+            logger.info("%d decoder layers run decode-only steps in one kernel call", fused)
         linear_kernels = f"int8-{kernels().isa()}"
     if onednn_available(dtype, device) and pack_linears(model):  # what int8 left dense, or every linear
         packed = f"onednn-prepacked-{str(dtype).removeprefix('torch.')}"

@@ -59,8 +59,13 @@ class QwenDecoderLayer(nn.Module):
         self.self_attn = QwenAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = QwenMLP(cfg)
+        # Set by the loader where a kernel runs the whole layer for some steps (layers/fused_decode.py): it
+        # says which (``accepts(meta)``) and computes what this forward would.
+        self.fused_decode = None
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.fused_decode is not None and self.fused_decode.accepts(meta):
+            return self.fused_decode(x, rope, kv_cache, meta)
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 

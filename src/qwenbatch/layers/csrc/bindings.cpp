@@ -1,15 +1,6 @@
-// The CPU kernels module: int8_linear.cpp, quantize.cpp and cpu_ops.cpp, built together by layers/cpu_kernels.py.
-#include <torch/extension.h>
-
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
-                          const c10::optional<torch::Tensor>& bias, int64_t N, int64_t bits);
-std::string isa();
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_groups(const torch::Tensor& weight);
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-torch::Tensor silu_and_mul(const torch::Tensor& x);
-torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
-                                     const torch::Tensor& block_tables, const torch::Tensor& lens, double scale);
+// The CPU kernels module: int8_linear.cpp, quantize.cpp, cpu_ops.cpp and decode_layer.cpp, built together by
+// layers/cpu_kernels.py.
+#include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = x . W^T + bias, W packed in 8 or 5 bits with a scale per 32 weights",
@@ -21,4 +12,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "SiLU(x[..., :n]) * x[..., n:]");
   m.def("rotary", &rotary, "neox-layout RoPE of [T, heads, head_dim] rows into a new tensor");
   m.def("paged_decode_attention", &paged_decode_attention, "one query per sequence against its paged K/V");
+  // module_local: the tests load builds for several targets into one process.
+  py::class_<Int8Weight>(m, "Int8Weight", py::module_local(), "a linear layer's weights in int8_linear's packed format")
+      .def(py::init<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t>(),
+           py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("n"), py::arg("out_features"),
+           py::arg("bits"));
+  py::class_<DecodeLayerWeights>(m, "DecodeLayerWeights", py::module_local(),
+                                 "one decoder layer with int8 linears, for decode_layer")
+      .def(py::init<>())
+      .def_readwrite("input_norm", &DecodeLayerWeights::input_norm)
+      .def_readwrite("post_attention_norm", &DecodeLayerWeights::post_attention_norm)
+      .def_readwrite("q_norm", &DecodeLayerWeights::q_norm)
+      .def_readwrite("k_norm", &DecodeLayerWeights::k_norm)
+      .def_readwrite("qkv", &DecodeLayerWeights::qkv)
+      .def_readwrite("o", &DecodeLayerWeights::o)
+      .def_readwrite("gate_up", &DecodeLayerWeights::gate_up)
+      .def_readwrite("down", &DecodeLayerWeights::down)
+      .def_readwrite("heads", &DecodeLayerWeights::heads)
+      .def_readwrite("kv_heads", &DecodeLayerWeights::kv_heads)
+      .def_readwrite("head_dim", &DecodeLayerWeights::head_dim)
+      .def_readwrite("eps", &DecodeLayerWeights::eps)
+      .def_readwrite("scale", &DecodeLayerWeights::scale);
+  m.def("decode_layer", &decode_layer, "one decoder layer of a step in which every row decodes");
 }

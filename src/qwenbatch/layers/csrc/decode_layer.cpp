@@ -1,0 +1,57 @@
+// One decoder layer of a step in which every row decodes, in one call: at batch 1 a layer's ~35 PyTorch and
+// Python operations around its kernels cost about as much as its attention (~3 ms of a 20 ms step), so the
+// layer is sequenced here. Each stage is the kernel the unfused layer calls, with the same rounding steps;
+// the residual adds round to the storage dtype as PyTorch's do.
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+namespace {
+
+// K and V rows of this step ([D, kv_heads * head_dim] each, contiguous) into their cache slots.
+void write_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& kv_cache,
+              const torch::Tensor& slot_mapping) {
+  const int64_t rows = k.size(0), width = k.size(1), bytes = width * k.element_size();
+  const int64_t half = kv_cache.numel() / 2;
+  auto* k_cache = static_cast<char*>(kv_cache.data_ptr());
+  auto* v_cache = k_cache + half * kv_cache.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(k_cache + slots[r] * bytes, static_cast<const char*>(k.data_ptr()) + r * bytes, bytes);
+    std::memcpy(v_cache + slots[r] * bytes, static_cast<const char*>(v.data_ptr()) + r * bytes, bytes);
+  }
+}
+
+}  // namespace
+
+// x: [D, hidden], one decoding row per sequence; cos, sin: [D, head_dim] (any leading view); kv_cache:
+// [2, blocks, block_size, kv_heads, head_dim]; slot_mapping: int64 [D]; block_tables: int32 [D, max_blocks];
+// lens: int32 [D] (context lengths including this step's token). Returns the layer's output [D, hidden].
+torch::Tensor decode_layer(const torch::Tensor& x, const DecodeLayerWeights& layer, const torch::Tensor& cos,
+                           const torch::Tensor& sin, const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
+                           const torch::Tensor& block_tables, const torch::Tensor& lens) {
+  TORCH_CHECK(x.dim() == 2 && kv_cache.is_contiguous() && kv_cache.scalar_type() == x.scalar_type() &&
+                  slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.numel() == x.size(0),
+              "decode_layer: x [D, hidden], a contiguous cache in x's dtype, int64 slots for each row");
+  const int64_t D = x.size(0), hd = layer.head_dim;
+  const int64_t q_size = layer.heads * hd, kv_size = layer.kv_heads * hd;
+  const torch::Tensor qkv = layer.qkv(rms_norm(x, layer.input_norm, layer.eps));
+  torch::Tensor q = qkv.narrow(1, 0, q_size).view({D, layer.heads, hd});
+  torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({D, layer.kv_heads, hd});
+  const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).contiguous();
+  if (layer.q_norm.has_value()) {
+    q = rms_norm(q, *layer.q_norm, layer.eps);
+    k = rms_norm(k, *layer.k_norm, layer.eps);
+  }
+  q = rotary(q, cos, sin);
+  k = rotary(k, cos, sin);
+  write_kv(k.view({D, kv_size}), v, kv_cache, slot_mapping);
+  const torch::Tensor attn = paged_decode_attention(q, kv_cache, block_tables, lens, layer.scale);
+  torch::Tensor h = layer.o(attn.view({D, q_size}));
+  h.add_(x);  // the residual adds: PyTorch's, in place
+  torch::Tensor out = layer.down(silu_and_mul(layer.gate_up(rms_norm(h, layer.post_attention_norm, layer.eps))));
+  out.add_(h);
+  return out;
+}

@@ -1,0 +1,41 @@
+// The CPU kernels module's functions, for bindings.cpp and for kernels that call the others.
+#pragma once
+#include <torch/extension.h>
+
+#include <string>
+#include <tuple>
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                          const c10::optional<torch::Tensor>& bias, int64_t N, int64_t bits);
+std::string isa();
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_groups(const torch::Tensor& weight);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor silu_and_mul(const torch::Tensor& x);
+torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
+                                     const torch::Tensor& block_tables, const torch::Tensor& lens, double scale);
+
+// A linear layer's weights in int8_linear's packed format.
+struct Int8Weight {
+  torch::Tensor packed, scales;
+  c10::optional<torch::Tensor> bias;
+  int64_t n = 0, out_features = 0, bits = 8;  // n: output rows as packed (a multiple of 16), out_features <= n
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    const torch::Tensor y = int8_linear(x, packed, scales, bias, n, bits);
+    return out_features == n ? y : y.narrow(1, 0, out_features);
+  }
+};
+
+// One Qwen2/Qwen3 decoder layer whose linears are int8, for decode_layer.
+struct DecodeLayerWeights {
+  torch::Tensor input_norm, post_attention_norm;
+  c10::optional<torch::Tensor> q_norm, k_norm;  // Qwen3
+  Int8Weight qkv, o, gate_up, down;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0;
+  double eps = 1e-6, scale = 1.0;
+};
+
+torch::Tensor decode_layer(const torch::Tensor& x, const DecodeLayerWeights& layer, const torch::Tensor& cos,
+                           const torch::Tensor& sin, const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
+                           const torch::Tensor& block_tables, const torch::Tensor& lens);

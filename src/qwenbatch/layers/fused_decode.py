@@ -1,0 +1,69 @@
+"""A decoder layer run by one kernel call (``csrc/decode_layer.cpp``) in steps where every row decodes.
+
+At batch 1 a layer's ~35 PyTorch and Python operations around its kernels (module calls, views, the split of
+qkv, the cache write, the residual adds) cost ~3 ms of a ~20 ms step, about as much as its attention; the C++
+layer sequences the same kernels with the same rounding. Steps with a prompt in them keep the layer's own
+forward (prefill attention is SDPA's). Only layers whose linears are all Int8Linear are fused.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from qwenbatch.layers.attention import AttentionMetadata, KernelAttentionMetadata
+from qwenbatch.layers.cpu_kernels import kernels
+from qwenbatch.layers.int8_linear import Int8Linear
+from qwenbatch.layers.rotary import Rope
+
+
+def _int8_weight(linear: Int8Linear):
+    return kernels().Int8Weight(
+        linear.packed_weight, linear.packed_scales, linear.bias, linear.padded_out, linear.out_features, linear.bits
+    )
+
+
+class FusedDecodeLayer:
+    """Runs a Qwen decoder layer (``self_attn``, ``mlp`` and their norms, read once here) for decode-only steps
+    of the CPU kernels' attention; ``accepts`` tells which steps those are."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        weights = kernels().DecodeLayerWeights()
+        weights.input_norm = layer.input_layernorm.weight
+        weights.post_attention_norm = layer.post_attention_layernorm.weight
+        if attn.q_norm is not None:
+            weights.q_norm, weights.k_norm = attn.q_norm.weight, attn.k_norm.weight
+        weights.qkv, weights.o = _int8_weight(attn.qkv_proj), _int8_weight(attn.o_proj)
+        weights.gate_up, weights.down = _int8_weight(mlp.gate_up_proj), _int8_weight(mlp.down_proj)
+        weights.heads, weights.kv_heads, weights.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        weights.eps, weights.scale = layer.input_layernorm.eps, attn.scale
+        self.weights = weights
+
+    @staticmethod
+    def accepts(meta: AttentionMetadata) -> bool:
+        return isinstance(meta, KernelAttentionMetadata) and not meta.prefills and meta.num_decodes > 0
+
+    def __call__(self, x, rope: Rope, kv_cache, meta: KernelAttentionMetadata):
+        return kernels().decode_layer(
+            x, self.weights, rope.cos, rope.sin, kv_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_lens
+        )
+
+
+def fusable(layer: nn.Module) -> bool:
+    """A decoder layer whose four linears are Int8Linear (and whose norms share one epsilon)."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None:
+        return False
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return all(isinstance(m, Int8Linear) for m in linears)
+
+
+def fuse_decode_layers(model: nn.Module) -> int:
+    """Give every fusable decoder layer of ``model`` its FusedDecodeLayer (``layer.fused_decode``); returns how
+    many. The layers keep their modules: steps with prompts run them as before."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "fused_decode") and fusable(module):
+            module.fused_decode = FusedDecodeLayer(module)
+            count += 1
+    return count

@@ -1,0 +1,47 @@
+"""The fused decode layer (layers/fused_decode.py, csrc/decode_layer.cpp) computes what the layer computes."""
+
+from __future__ import annotations
+
+import pytest
+
+from qwenbatch import LLM, SamplingParams
+
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79], [50, 28]]
+
+
+def _run(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny_qwen2", "tiny_qwen3"])  # biases; per-head q/k norms
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_steps_give_the_layers_own_tokens_and_logprobs(request, checkpoint, dtype):
+    folder = request.getfixturevalue(checkpoint)
+    llm = LLM(model=str(folder), dtype=dtype, quantization="int8", kv_cache_memory=8 * 2**20)
+    layers = llm.engine.runner.model.model.layers
+    fused = [layer.fused_decode for layer in layers]
+    assert all(f is not None for f in fused)
+    calls = 0
+    original_call = type(fused[0]).__call__
+
+    def counting(self, *args):
+        nonlocal calls
+        calls += 1
+        return original_call(self, *args)
+
+    type(fused[0]).__call__ = counting
+    try:
+        with_fused = _run(llm)
+    finally:
+        type(fused[0]).__call__ = original_call
+    assert calls == len(layers) * 11  # every decode step (12 tokens: one from the prefill), every layer
+    for layer in layers:
+        layer.fused_decode = None
+    assert _run(llm) == with_fused  # bitwise: the same kernels, the same rounding
+
+
+def test_layers_are_fused_only_with_int8(tiny_qwen3):
+    llm = LLM(model=str(tiny_qwen3), dtype="bfloat16", cpu_kernels="on", kv_cache_memory=8 * 2**20)
+    assert all(layer.fused_decode is None for layer in llm.engine.runner.model.model.layers)
