@@ -50,7 +50,7 @@ class FusedDecodeLayer:
 
 
 def fusable(layer: nn.Module) -> bool:
-    """A decoder layer whose four linears are Int8Linear (and whose norms share one epsilon)."""
+    """A decoder layer whose four linears are Int8Linear."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attn is None or mlp is None:
         return False

@@ -9,9 +9,9 @@ kind). The kernel is ``csrc/int8_linear.cpp``, built by ``layers/cpu_kernels.py`
 Quantization is symmetric, per group of 32 along the input dimension (GGUF's Q8_0 and Q5_0 blocks): a group
 dequantized from Q8_0 or Q5_0 is held exactly; others round to the nearest of 255 levels of their group. The
 weights must come in float32 for that (a bfloat16 copy has already rounded them): the loader re-reads each one
-from the checkpoint as its layer is quantized. A tensor whose every group
-is a Q5_0 block (the default model's gate/up and attention output) is stored in 5 bits where the kernel
-widens them fast (AVX-512): a batch-1 decode step is bound by the bytes it reads.
+from the checkpoint as its layer is quantized. A tensor whose every group is a Q5_0 block (the default model's
+gate/up and attention output) is stored in 5 bits where the kernel widens them fast (AVX-512): a batch-1 decode
+step is bound by the bytes it reads.
 """
 
 from __future__ import annotations
@@ -181,8 +181,7 @@ def quantize_linears(model: nn.Module, exact_weight: Callable[[str, int, int], t
 
     ``exact_weight(name, start, stop)`` gives rows of a parameter of ``model`` (by its name) as the checkpoint
     holds them, in float32: the layers quantize from them, a slice at a time, when the model was loaded in a
-    narrower dtype. Without it they
-    quantize from the model's own weights.
+    narrower dtype. Without it they quantize from the model's own weights.
     """
     module = kernels()  # build before the first layer, so a missing compiler fails fast
     five_bit = module.isa() == "avx512-vnni"  # elsewhere widening 5 bits costs more than the bytes it saves

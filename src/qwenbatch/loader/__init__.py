@@ -15,7 +15,7 @@ from torch import nn
 from qwenbatch.loader.default_model import cache_root, default_model_dir
 from qwenbatch.loader.dummy import dummy_config, load_dummy_model
 from qwenbatch.loader.gguf import convert_gguf
-from qwenbatch.loader.hf import CheckpointReader, load_hf_model
+from qwenbatch.loader.hf import CheckpointReader, load_hf_checkpoint
 from qwenbatch.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -98,5 +98,5 @@ def load_model(model: str, load_format: str, dtype: torch.dtype, device: torch.d
         return LoadedModel(load_dummy_model(cfg, dtype, device, seed), cfg, tokenizer_dir)
     folder = resolve_model_dir(model)
     cfg = ModelConfig.from_folder(folder)
-    loaded = load_hf_model(folder, dtype, device)
-    return LoadedModel(loaded, cfg, folder, CheckpointReader(folder, loaded))
+    model, checkpoint = load_hf_checkpoint(folder, dtype, device)
+    return LoadedModel(model, cfg, folder, checkpoint)

@@ -174,7 +174,13 @@ class CheckpointReader:
 
 
 def load_hf_model(folder: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Load ``folder``'s safetensors (one file or sharded) into a freshly built model.
+    """``load_hf_checkpoint``'s model."""
+    return load_hf_checkpoint(folder, dtype, device)[0]
+
+
+def load_hf_checkpoint(folder: Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, CheckpointReader]:
+    """Load ``folder``'s safetensors (one file or sharded) into a freshly built model; with the reader it was
+    filled from (for layers that re-read their weights as the files hold them).
 
     Each tensor is read from the file straight into its parameter (through a temporary only when
     the dtype differs), so peak memory is the model plus at most one tensor, and the file's pages
@@ -187,4 +193,4 @@ def load_hf_model(folder: Path, dtype: torch.dtype, device: torch.device) -> nn.
     for name, param in model.named_parameters():
         reader.read_into(name, param.data)
     logger.info("loaded %s (%d tensors from %d files) as %s", folder, reader.tensor_count, len(reader.files), dtype)
-    return model
+    return model, reader

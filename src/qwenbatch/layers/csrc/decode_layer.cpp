@@ -4,8 +4,6 @@
 // the residual adds round to the storage dtype as PyTorch's do.
 #include "ops.h"
 
-#include <ATen/Parallel.h>
-
 #include <cstring>
 
 namespace {
