@@ -31,6 +31,10 @@ constexpr int64_t kGroup = 32;        // weights per scale
 constexpr int64_t kTileRows = 16;     // weight rows per tile
 constexpr int64_t kTilesPerTask = 4;  // tiles one parallel task owns
 constexpr int64_t kQ5GroupBytes = 320;  // one tile's 32 k in the 5-bit layout: 256 bytes of nibbles, 64 of fifth bits
+// How far ahead of its dot products a tile's weight stream is prefetched into L2. The hardware prefetchers
+// alone leave memory and arithmetic mostly serial at one row: the 5-bit layers streamed at 18 GB/s against
+// 56 GB/s from cache and ~31 GB/s of read bandwidth; with this, 22 GB/s (AVX-512 BF16 kind, median of 15).
+constexpr int64_t kPrefetchBytes = 4096;
 
 // Where chunk c's nibble block and fifth bits are in a 5-bit tile.
 inline const uint8_t* q5_nibbles(const uint8_t* tile, int64_t c) { return tile + (c / 8) * kQ5GroupBytes + (c % 8) / 2 * 64; }
@@ -153,7 +157,13 @@ inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8
     for (int t = 0; t < T; ++t) acc[m][t] = _mm512_setzero_ps();
   // A row alone would wait on each vpdpbusd's latency: it gets two chains, even and odd chunks.
   constexpr int C = MB == 1 ? 2 : 1;
+  constexpr int64_t kGroupBytes = kTileRows * kGroup * (Q5 ? 5 : 8) / 8;
+  const int64_t tile_bytes = kTileRows * K * (Q5 ? 5 : 8) / 8;
   for (int64_t g = 0; g < G; ++g) {
+    for (int t = 0; t < T; ++t)
+      for (int64_t line = 0; line < kGroupBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w + t * tile_bytes + g * kGroupBytes + kPrefetchBytes + line),
+                     _MM_HINT_T1);
     __m512i dot[MB][T][C];
     for (int m = 0; m < MB; ++m)
       for (int t = 0; t < T; ++t)
