@@ -155,6 +155,16 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
       kf.assign(padded * head_dim, 0.f);  // positions past the context score 0 and are never used
       vf.resize(len * head_dim);
       for (int64_t p = 0; p < len; ++p) {
+        if (p % block_size == 0 && p + block_size < len) {
+          // The blocks are scattered, so the hardware prefetchers lose the stream at each one: ask for the
+          // next block's K and V rows of this head while this block converts.
+          const int64_t next = table[p / block_size + 1] * block_stride + h * head_dim;
+          for (int64_t i = 0; i < block_size; ++i)
+            for (int64_t b = 0; b < head_dim * static_cast<int64_t>(sizeof(T)); b += 64) {
+              __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next + i * token_stride) + b);
+              __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next + i * token_stride) + b);
+            }
+        }
         const int64_t at = table[p / block_size] * block_stride + (p % block_size) * token_stride + h * head_dim;
         const T* kp = k_cache + at;
         const T* vp = v_cache + at;
