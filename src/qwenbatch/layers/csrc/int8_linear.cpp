@@ -159,8 +159,10 @@ inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8
   constexpr int C = MB == 1 ? 2 : 1;
   constexpr int64_t kGroupBytes = kTileRows * kGroup * (Q5 ? 5 : 8) / 8;
   const int64_t tile_bytes = kTileRows * K * (Q5 ? 5 : 8) / 8;
+  // Only the first row block streams the tile from memory; the others find it in cache.
+  const bool prefetch = m0 == 0;
   for (int64_t g = 0; g < G; ++g) {
-    for (int t = 0; t < T; ++t)
+    for (int t = 0; t < T && prefetch; ++t)
       for (int64_t line = 0; line < kGroupBytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(w + t * tile_bytes + g * kGroupBytes + kPrefetchBytes + line),
                      _MM_HINT_T1);
