@@ -302,6 +302,45 @@ def test_logprobs_zero_returns_only_the_sampled_token():
     assert out.logprobs == [{token: pytest.approx(torch.log_softmax(logits[0], -1)[token].item(), abs=1e-5)}]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_greedy_kernel_picks_the_tokens_and_flags_of_the_float32_path(dtype):
+    from qwenbatch.layers.cpu_kernels import greedy_tokens
+
+    logits = (torch.randn(7, 151_936, generator=gen(3)) * 4).to(dtype)  # bfloat16 rounding makes many ties
+    logits[0, 10] = logits[0, 90_000] = 100  # a tie for the best: the first one wins, as argmax has it
+    logits[1, 5], logits[2, 0], logits[3, 9] = float("-inf"), float("inf"), float("nan")
+    logits[4, 2], logits[4, 8] = float("inf"), float("-inf")
+    logits[5, -1] = 100  # the best is the last id
+    rows = [row(SamplingParams(temperature=0))] * 7
+    want, got = sample(logits, rows), sample(logits, rows, greedy_tokens)
+    assert got.non_finite == want.non_finite == [False, True, True, True, True, False, False]
+    finite = [i for i, bad in enumerate(want.non_finite) if not bad]
+    assert [got.token_ids[i] for i in finite] == [want.token_ids[i] for i in finite]
+    assert got.token_ids[0] == 10 and got.token_ids[5] == 151_935
+    assert got.logprobs == [None] * 7
+
+
+def test_the_greedy_kernel_is_used_only_when_every_row_is_plain_greedy():
+    calls = []
+
+    def kernel(logits):
+        calls.append(logits.shape[0])
+        return logits.float().argmax(dim=-1).tolist(), [False] * logits.shape[0]
+
+    logits = random_logits(2, seed=4)
+    plain = row(SamplingParams(temperature=0))
+    for other in (
+        row(SamplingParams(temperature=0, logprobs=2)),
+        row(SamplingParams(temperature=0, presence_penalty=1.0), output=[3]),
+        row(SamplingParams(temperature=0), suppressed=(int(logits[1].argmax()),)),
+        row(SamplingParams(temperature=0.8), generator=gen(1)),
+    ):
+        assert sample(logits, [plain, other], kernel).token_ids[0] == int(logits[0].argmax())
+    assert calls == []  # a row that needs more than the argmax sends the whole step down the float32 path
+    assert sample(logits, [plain, plain], kernel).token_ids == logits.argmax(dim=-1).tolist()
+    assert calls == [2]
+
+
 # -- through the engine ---------------------------------------------------------------------------
 
 PROMPT = "The quick brown fox"

@@ -19,6 +19,7 @@ from qwenbatch.layers.attention import (
     StepLayout,
     TorchAttentionMetadata,
 )
+from qwenbatch.layers.cpu_kernels import greedy_tokens
 from qwenbatch.layers.opaque_attention import step_attention
 from qwenbatch.layers.sampler import SamplingRow, sample
 from qwenbatch.loader.kernels import ModelKernels
@@ -90,6 +91,7 @@ class ModelRunner:
         self.device = device
         self.kv_caches: list[torch.Tensor] = []
         self._graphs = None
+        self._greedy_kernel = greedy_tokens if kernels.cpu_kernels else None
         # --compile: one graph per step shape class, symbolic in the token count; weights frozen into it.
         self._compiled = torch.compile(model, dynamic=True, options={"freezing": True}) if kernels.compiled else None
         if attention_backend == "triton":
@@ -197,7 +199,7 @@ class ModelRunner:
         score_rows = [r for r, seq in zip(sample_rows, sampling, strict=True) if seq.score_only]
         out = ModelRunnerOutput([], [], [])
         if generate_rows:
-            sampled = sample(self.model.compute_logits(hidden[generate_rows]), rows)
+            sampled = sample(self.model.compute_logits(hidden[generate_rows]), rows, self._greedy_kernel)
             out.token_ids, out.logprobs, out.non_finite = sampled.token_ids, sampled.logprobs, sampled.non_finite
         if score_rows:
             out.scores = self._scores(hidden[score_rows])

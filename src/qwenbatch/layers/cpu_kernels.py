@@ -92,6 +92,13 @@ class KernelRotaryEmbedding(RotaryEmbedding):
         return KernelRope(rope.cos, rope.sin)
 
 
+def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """Each row's argmax (the first maximal index) and whether the row holds an inf or a NaN, in one read of the
+    logits in their own dtype: the sampler's ``greedy_kernel`` (layers/sampler.py)."""
+    tokens, non_finite = kernels().greedy_tokens(logits)
+    return tokens.tolist(), non_finite.tolist()
+
+
 def use_cpu_kernels(model: nn.Module) -> int:
     """Swap ``model``'s RMSNorm, SiluAndMul and RotaryEmbedding modules for their kernel-calling
     subclasses; returns how many.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +30,19 @@ class SamplerOutput:
     non_finite: list[bool]
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-    """Pick one token per row of ``logits`` [B, vocab]; work is skipped when no row needs it."""
+# Each row's argmax and whether it holds an inf or a NaN, from logits as the model returns them, in one pass.
+GreedyKernel = Callable[[torch.Tensor], tuple[list[int], list[bool]]]
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], greedy_kernel: GreedyKernel | None = None) -> SamplerOutput:
+    """Pick one token per row of ``logits`` [B, vocab]; work is skipped when no row needs it.
+
+    With ``greedy_kernel``, a step whose rows are all plain greedy (no logprobs, penalties or suppressed tokens)
+    takes its tokens from it, with the same tokens and flags as the float32 path below.
+    """
+    if greedy_kernel is not None and all(_plain_greedy(r) for r in rows):
+        token_ids, non_finite = greedy_kernel(logits)
+        return SamplerOutput(token_ids, [None] * len(rows), non_finite)
     logits = logits.float()
     # One vectorised pass: a NaN or an inf anywhere makes the row's sum non-finite; finite logits would have
     # to average over 1e33 to overflow it. 34x faster than isfinite().all() on 64 x 151,936 logits
@@ -59,6 +71,11 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
             entry[token_list[i]] = float(lp[i, token_list[i]])
             out_logprobs[i] = entry
     return SamplerOutput(token_list, out_logprobs, non_finite)
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    p = row.params
+    return p.greedy and p.logprobs is None and not p.has_penalties and not row.suppressed_token_ids
 
 
 def _top_logprobs_raw(logits: torch.Tensor, rows: list[SamplingRow]):
