@@ -35,6 +35,7 @@ constexpr int64_t kQ5GroupBytes = 320;  // one tile's 32 k in the 5-bit layout: 
 // alone leave memory and arithmetic mostly serial at one row: the 5-bit layers streamed at 18 GB/s against
 // 56 GB/s from cache and ~31 GB/s of read bandwidth; with this, 22 GB/s (AVX-512 BF16 kind, median of 15).
 constexpr int64_t kPrefetchBytes = 4096;
+constexpr int64_t kStreamRows = 8;  // up to this many rows of x, a linear streams its weights (decode steps)
 
 // Where chunk c's nibble block and fifth bits are in a 5-bit tile.
 inline const uint8_t* q5_nibbles(const uint8_t* tile, int64_t c) { return tile + (c / 8) * kQ5GroupBytes + (c % 8) / 2 * 64; }
@@ -150,7 +151,7 @@ inline void load_chunk_pair(const uint8_t* w, int64_t K, int64_t c0, __m512i (&w
 // MB rows of x against T tiles (16 * T weight rows, the first at column n0), all groups, into out.
 template <bool Q5, int MB, int T>
 inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8_t* w, const c10::Half* s,
-                        const Output& out, int64_t n0) {
+                        const Output& out, int64_t n0, bool prefetch) {
   const int64_t G = K / kGroup;
   __m512 acc[MB][T];
   for (int m = 0; m < MB; ++m)
@@ -159,8 +160,6 @@ inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8
   constexpr int C = MB == 1 ? 2 : 1;
   constexpr int64_t kGroupBytes = kTileRows * kGroup * (Q5 ? 5 : 8) / 8;
   const int64_t tile_bytes = kTileRows * K * (Q5 ? 5 : 8) / 8;
-  // Only the first row block streams the tile from memory; the others find it in cache.
-  const bool prefetch = m0 == 0;
   for (int64_t g = 0; g < G; ++g) {
     for (int t = 0; t < T && prefetch; ++t)
       for (int64_t line = 0; line < kGroupBytes; line += 64)
@@ -207,9 +206,12 @@ template <bool Q5, int T>
 inline void rows_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
                         const Output& out, int64_t n0) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile_kernel<Q5, 4, T>(xq, m, K, w, s, out, n0);
-  for (; m + 2 <= M; m += 2) tile_kernel<Q5, 2, T>(xq, m, K, w, s, out, n0);
-  for (; m < M; ++m) tile_kernel<Q5, 1, T>(xq, m, K, w, s, out, n0);
+  // With few rows the tile streams from memory once, and the first row block prefetches it; with many the
+  // kernel is bound by its arithmetic, and prefetching cost prefill ~5%.
+  const bool stream = M <= kStreamRows;
+  for (; m + 4 <= M; m += 4) tile_kernel<Q5, 4, T>(xq, m, K, w, s, out, n0, stream && m == 0);
+  for (; m + 2 <= M; m += 2) tile_kernel<Q5, 2, T>(xq, m, K, w, s, out, n0, stream && m == 0);
+  for (; m < M; ++m) tile_kernel<Q5, 1, T>(xq, m, K, w, s, out, n0, stream && m == 0);
 }
 
 template <bool Q5>
