@@ -13,6 +13,7 @@ import torch
 from qwenbatch import LLM, SamplingParams
 from qwenbatch.engine.memory import BLOCK_BOOKKEEPING_BYTES_PER_TOKEN
 from qwenbatch.engine.model_runner import kv_cache_bytes_per_token
+from qwenbatch.layers.cpu_kernels import greedy_tokens
 from qwenbatch.layers.sampler import SamplingRow, sample
 from qwenbatch.models.config import ModelConfig
 
@@ -304,8 +305,6 @@ def test_logprobs_zero_returns_only_the_sampled_token():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_greedy_kernel_picks_the_tokens_and_flags_of_the_float32_path(dtype):
-    from qwenbatch.layers.cpu_kernels import greedy_tokens
-
     logits = (torch.randn(7, 151_936, generator=gen(3)) * 4).to(dtype)  # bfloat16 rounding makes many ties
     logits[0, 10] = logits[0, 90_000] = 100  # a tie for the best: the first one wins, as argmax has it
     logits[1, 5], logits[2, 0], logits[3, 9] = float("-inf"), float("inf"), float("nan")
