@@ -24,7 +24,14 @@ from qwenbatch.layers.rotary import Rope, RotaryEmbedding
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("bindings.cpp", "int8_linear.cpp", "quantize.cpp", "cpu_ops.cpp", "decode_layer.cpp")
+_SOURCES = (
+    "bindings.cpp",
+    "int8_linear.cpp",
+    "quantize.cpp",
+    "cpu_ops.cpp",
+    "decode_attention.cpp",
+    "decode_layer.cpp",
+)
 # -march per build target; "native" is what the engine uses, the others let tests check every code path here.
 _TARGETS = {"native": "-march=native", "avx2": "-march=x86-64-v3", "portable": "-march=x86-64-v2"}
 

@@ -1,0 +1,72 @@
+// Float32 arithmetic helpers shared by the CPU kernels: an exp the compiler vectorizes, storage <-> float32
+// conversions it vectorizes, and the dtype switch of the kernels' entry points.
+#pragma once
+#include <torch/extension.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace qb {
+
+// exp(x) in plain arithmetic the compiler vectorizes (std::exp stays a scalar call, ~10 ns an element):
+// 2^(x log2 e) split into 2^n (built in the exponent bits) and 2^f, f in [-0.5, 0.5], by a degree-6
+// polynomial; relative error below 3e-7. Inputs are clamped to [-87, 88], where 2^n stays a normal float.
+#pragma omp declare simd
+inline float vec_exp(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float t = x * 1.44269504088896341f;
+  const float n = std::nearbyint(t);
+  const float f = t - n;
+  float p = 1.5353362e-4f;
+  p = p * f + 1.3398874e-3f;
+  p = p * f + 9.6180428e-3f;
+  p = p * f + 5.5504108e-2f;
+  p = p * f + 2.4022652e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += static_cast<int32_t>(n) << 23;
+  std::memcpy(&p, &bits, 4);
+  return p;
+}
+
+// Storage <-> float32 conversions the compiler vectorizes: c10::BFloat16's own are branchy scalar code
+// (a silu_and_mul row of 4,864 took 40 us with them, 3 us in float32). Same rounding (to nearest even, NaN
+// to 0x7FC0).
+template <typename T>
+inline float to_f32(T v) {
+  return static_cast<float>(v);
+}
+template <>
+inline float to_f32(c10::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+template <typename T>
+inline T from_f32(float f) {
+  return static_cast<T>(f);
+}
+template <>
+inline c10::BFloat16 from_f32(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return c10::BFloat16(static_cast<uint16_t>(f != f ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
+}
+
+}  // namespace qb
+
+#define QB_DISPATCH(TYPE, NAME, ...)                                                      \
+  switch (TYPE) {                                                                         \
+    case torch::kFloat32: { using scalar_t = float; __VA_ARGS__; break; }                 \
+    case torch::kBFloat16: { using scalar_t = c10::BFloat16; __VA_ARGS__; break; }        \
+    case torch::kHalf: { using scalar_t = c10::Half; __VA_ARGS__; break; }                \
+    default: TORCH_CHECK(false, NAME ": float32, bfloat16 or float16 only");              \
+  }
