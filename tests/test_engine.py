@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from qwenbatch import LLM, SamplingParams
+from qwenbatch import LLM, SamplingParams, TokensPrompt
 from server_harness import record_priorities
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -106,6 +106,25 @@ def test_request_longer_than_max_model_len_is_rejected(folder):
     with pytest.raises(ValueError, match="the prompt has 64 tokens; max_model_len is 64"):
         llm.generate([[5] * 64], SamplingParams(max_tokens=None), use_tqdm=False)
     assert_all_blocks_free(llm)
+
+
+def test_vllm_prompt_dicts_give_what_their_token_ids_give(folder):
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=32 * 2**20)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    ids = [p[:40] for p in mixed_prompts(3)]
+    plain = tokens(llm.generate(ids, params, use_tqdm=False))
+    assert tokens(llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)) == plain
+    assert tokens(llm.generate(TokensPrompt(prompt_token_ids=ids[1]), params, use_tqdm=False)) == plain[1:2]
+
+
+def test_malformed_prompts_get_a_value_error_and_leave_the_engine_clean(folder):
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=32 * 2**20)
+    bad = [{"prompt_token_ids": ["a"]}, {"prompt_token_ids": [True]}, [5, 1.5], {"text": "hi"}, {"prompt": 5}, 3.5]
+    for prompt in bad:
+        with pytest.raises(ValueError, match="prompt"):
+            llm.generate([[5, 6], prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert_all_blocks_free(llm)
+    assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
 
 
 def test_max_model_len_larger_than_the_cache_fails_when_set(folder):

@@ -1,9 +1,10 @@
 """qwenbatch: batch inference for the Qwen model family."""
 
+from qwenbatch.inputs import TextPrompt, TokensPrompt
 from qwenbatch.outputs import CompletionOutput, RequestOutput
 from qwenbatch.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "TextPrompt", "TokensPrompt"]
 __version__ = "0.1.0"
 
 

@@ -14,13 +14,12 @@ from tqdm import tqdm
 from qwenbatch.config import EngineConfig
 from qwenbatch.engine.llm_engine import LLMEngine
 from qwenbatch.engine.request import EngineRequest
+from qwenbatch.inputs import PromptType
 from qwenbatch.outputs import RequestOutput, RerankResult
 from qwenbatch.sampling_params import SamplingParams
 from qwenbatch.tokenizer import THINK_END, THINK_START, split_reasoning
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | list[int]
 
 
 class LLM:
@@ -42,12 +41,13 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """Generate for every prompt (text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids":
+        ...}`` dicts); outputs come back in prompt order."""
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         results: dict[int, RequestOutput] = {}
@@ -57,7 +57,7 @@ class LLM:
 
     def generate_iter(
         self,
-        prompts: Iterable[Prompt],
+        prompts: Iterable[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams],
         use_tqdm: bool = True,
         total: int | None = None,

@@ -15,6 +15,7 @@ import torch
 
 from qwenbatch.engine.request import EngineRequest, SampleState
 from qwenbatch.engine.sequence import Sequence
+from qwenbatch.inputs import PromptType, parse_prompt
 from qwenbatch.rerank import RerankFormatter
 from qwenbatch.sampling_params import SamplingParams
 from qwenbatch.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -75,7 +76,7 @@ class InputProcessor:
     def make_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: PromptType,
         params: SamplingParams,
         stream: bool = False,
         priority: int = 0,
@@ -87,7 +88,7 @@ class InputProcessor:
         ``priority``: lower is served earlier (vLLM's convention); see scheduler.py.
         """
         _check_priority(priority)
-        prompt_text, token_ids = self._tokenize(prompt, truncate_prompt_tokens)
+        prompt_text, token_ids = self._tokenize(parse_prompt(prompt), truncate_prompt_tokens)
         self._check_token_ids(token_ids)
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size})")
@@ -130,8 +131,8 @@ class InputProcessor:
     def _check_token_ids(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty")
-        if any(not 0 <= t < self.vocab_size for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
 
     def _sample_state(self, params: SamplingParams, index: int) -> SampleState:
         generator = None
