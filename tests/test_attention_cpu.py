@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from qwenbatch import LLM, SamplingParams
-from qwenbatch.layers.attention import StepLayout, TorchAttentionMetadata
+from qwenbatch.layers.attention import SPLIT_CHUNK_MIN_QUERIES, StepLayout, TorchAttentionMetadata
 
 
 def _sdpa_kernels(fn) -> set[str]:
@@ -47,3 +48,38 @@ def test_an_engine_step_with_every_kind_of_attention_runs_no_math_path(tiny_qwen
         kernels |= _sdpa_kernels(engine.step)
     assert any("flash" in name for name in kernels)
     assert not any("math" in name for name in kernels), kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_chunk_after_a_prefix_gives_the_bottom_right_causal_attention(dtype):
+    """A chunk of >= SPLIT_CHUNK_MIN_QUERIES queries runs as two flash calls merged by their log-sum-exps; it
+    must give what one call with the bottom-right causal mask gives, and stay on the flash kernel."""
+    heads, kv_heads, head_dim, bs, cached, chunk = 14, 2, 64, 16, 300, SPLIT_CHUNK_MIN_QUERIES + 76
+    torch.manual_seed(1)
+    blocks = -(-(cached + chunk) // bs)
+    cache = torch.randn(2, blocks + 4, bs, kv_heads, head_dim, dtype=dtype)
+    table = torch.randperm(blocks + 4)[:blocks].tolist()
+    layout = StepLayout(bs)
+    layout.add_prefill([1] * chunk, table, cached)
+    meta = TorchAttentionMetadata.build(layout, torch.device("cpu"))
+    q = torch.randn(chunk, heads, head_dim, dtype=dtype)
+    k = torch.randn(chunk, kv_heads, head_dim, dtype=dtype)
+    v = torch.randn(chunk, kv_heads, head_dim, dtype=dtype)
+    kernels = _sdpa_kernels(lambda: meta.attend(q, k, v, cache, head_dim**-0.5))
+    got = meta.attend(q, k, v, cache, head_dim**-0.5).view(chunk, heads, head_dim)
+    assert any("flash" in name for name in kernels) and not any("math" in name for name in kernels), kernels
+
+    slots = [table[p // bs] * bs + p % bs for p in range(cached + chunk)]
+    context_k = cache[0].view(-1, kv_heads, head_dim)[slots]  # the chunk's own K/V were stored by attend
+    context_v = cache[1].view(-1, kv_heads, head_dim)[slots]
+    mask = torch.ones(chunk, cached + chunk, dtype=torch.bool).tril(cached)
+    want = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        context_k.transpose(0, 1)[None],
+        context_v.transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=head_dim**-0.5,
+        enable_gqa=True,
+    )[0].transpose(0, 1)
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2  # bf16: the two halves are rounded before the merge
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)

@@ -155,21 +155,16 @@ class TorchAttentionMetadata(AttentionMetadata):
                 kk, vv = k[rows], v[rows]
             else:
                 kk, vv = k_flat[span.kv_slots], v_flat[span.kv_slots]
-            if span.query_len == span.context_len:
-                mask, causal = None, True
-            else:
-                mask, causal = _chunk_causal_mask(span.query_len, span.context_len, q.device), False
             # 4-D with a batch of one: 3-D inputs send SDPA down its math path on the CPU (materialised
             # scores: 19x slower at 2,048 tokens), 4-D ones to its flash kernel.
-            o = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1)[None],
-                kk.transpose(0, 1)[None],
-                vv.transpose(0, 1)[None],
-                attn_mask=mask,
-                is_causal=causal,
-                scale=scale,
-                enable_gqa=True,
-            )
+            q4, k4, v4 = q[rows].transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None]
+            if span.query_len == span.context_len:
+                o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)
+            elif span.query_len >= SPLIT_CHUNK_MIN_QUERIES and q.device.type == "cpu":
+                o = _prefix_then_causal(q4, k4, v4, span.context_len - span.query_len, scale)
+            else:
+                mask = _chunk_causal_mask(span.query_len, span.context_len, q.device)
+                o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=True)
             out[rows] = o[0].transpose(0, 1)
 
         if self.num_decodes:
@@ -216,6 +211,26 @@ class KernelAttentionMetadata(TorchAttentionMetadata):
         self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
         return kernels().paged_decode_attention(q, kv_cache, self.decode_block_tables, self.decode_lens, scale)
+
+
+# A chunk of at least this many queries after a cached prefix runs as two flash calls without a mask (the prefix,
+# then the chunk's own keys causally), merged by their log-sum-exps: under a bottom-right mask the flash kernel
+# computes, then masks, the chunk's upper triangle, which its causal mode skips. Measured (bf16, GQA 14/2,
+# 2 cores): 2,048 queries on 4,096 keys 262 -> 190 ms, 1,024 on 2,048 69 -> 54 ms; at 512 on 2,560 the two are
+# even, and at 100 on 1,100 the split is slower.
+SPLIT_CHUNK_MIN_QUERIES = 1024
+
+
+def _prefix_then_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float
+) -> torch.Tensor:
+    """Bottom-right causal attention of q [1, heads, L, d] on k, v [1, kv_heads, prefix_len + L, d] (CPU)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o_prefix, lse_prefix = flash(q, k[:, :, :prefix_len], v[:, :, :prefix_len], 0.0, False, scale=scale)
+    o_own, lse_own = flash(q, k[:, :, prefix_len:], v[:, :, prefix_len:], 0.0, True, scale=scale)
+    lse = torch.logaddexp(lse_prefix, lse_own)
+    w_prefix, w_own = (lse_prefix - lse).exp().unsqueeze(-1), (lse_own - lse).exp().unsqueeze(-1)
+    return (o_prefix.float() * w_prefix + o_own.float() * w_own).to(q.dtype)
 
 
 def _chunk_causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor:
