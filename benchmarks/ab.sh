@@ -5,20 +5,24 @@
 #   e.g. benchmarks/ab.sh 677e200 5 decode64 --workload random --num-prompts 64 --input-len 256 --output-len 64 \
 #        --quantization int8
 # The before side runs from a worktree on PYTHONPATH (its CPU kernels build once into their own cache entry);
-# results land in benchmarks/results/ab-NAME-{before,after}-I.json, and each run's summary line is printed.
+# results land in benchmarks/results/ab-NAME-{before,after}-I.json, and each run's summary line is printed (a failed
+# run stops the script and names its log).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 before=${1:?a commit to compare with}
 runs=${2:?how many runs of each side}
 name=${3:?a name for the result files}
 shift 3
-tree=$(mktemp -d)/before
+work=$(mktemp -d)
+tree=$work/before
 git worktree add --detach "$tree" "$before" >/dev/null
 trap 'git worktree remove --force "$tree"' EXIT
 for i in $(seq "$runs"); do
   for side in before after; do
     src=$PWD/src; [ "$side" = before ] && src=$tree/src
+    log=$work/$side-$i.log
     PYTHONPATH=$src .venv/bin/python -m qwenbatch.cli bench throughput "$@" \
-      --output "benchmarks/results/ab-$name-$side-$i.json" 2>/dev/null | grep '^qwenbatch ' | sed "s/^/$side $i: /"
+      --output "benchmarks/results/ab-$name-$side-$i.json" >"$log" 2>&1 || { echo "$side $i failed: $log"; exit 1; }
+    grep '^qwenbatch ' "$log" | sed "s/^/$side $i: /"
   done
 done

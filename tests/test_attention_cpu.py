@@ -8,7 +8,12 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from qwenbatch import LLM, SamplingParams
-from qwenbatch.layers.attention import SPLIT_CHUNK_MIN_QUERIES, StepLayout, TorchAttentionMetadata
+from qwenbatch.layers.attention import (
+    SPLIT_CHUNK_MIN_QUERIES,
+    StepLayout,
+    TorchAttentionMetadata,
+    _prefix_then_causal,
+)
 
 
 def _sdpa_kernels(fn) -> set[str]:
@@ -51,9 +56,16 @@ def test_an_engine_step_with_every_kind_of_attention_runs_no_math_path(tiny_qwen
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_long_chunk_after_a_prefix_gives_the_bottom_right_causal_attention(dtype):
+def test_a_long_chunk_after_a_prefix_gives_the_bottom_right_causal_attention(monkeypatch, dtype):
     """A chunk of >= SPLIT_CHUNK_MIN_QUERIES queries runs as two flash calls merged by their log-sum-exps; it
     must give what one call with the bottom-right causal mask gives, and stay on the flash kernel."""
+    split_calls = []
+
+    def counted(*args, **kwargs):
+        split_calls.append(args[3])
+        return _prefix_then_causal(*args, **kwargs)
+
+    monkeypatch.setattr("qwenbatch.layers.attention._prefix_then_causal", counted)
     heads, kv_heads, head_dim, bs, cached, chunk = 14, 2, 64, 16, 300, SPLIT_CHUNK_MIN_QUERIES + 76
     torch.manual_seed(1)
     blocks = -(-(cached + chunk) // bs)
@@ -68,6 +80,7 @@ def test_a_long_chunk_after_a_prefix_gives_the_bottom_right_causal_attention(dty
     kernels = _sdpa_kernels(lambda: meta.attend(q, k, v, cache, head_dim**-0.5))
     got = meta.attend(q, k, v, cache, head_dim**-0.5).view(chunk, heads, head_dim)
     assert any("flash" in name for name in kernels) and not any("math" in name for name in kernels), kernels
+    assert split_calls == [cached, cached]  # the profiled call and this one: the split ran, after the prefix
 
     slots = [table[p // bs] * bs + p % bs for p in range(cached + chunk)]
     context_k = cache[0].view(-1, kv_heads, head_dim)[slots]  # the chunk's own K/V were stored by attend

@@ -1,4 +1,4 @@
-"""The fused CPU ops (layers/csrc/cpu_ops.cpp) give what the PyTorch layers they replace give."""
+"""The fused CPU ops (layers/csrc/cpu_ops.cpp, decode_attention.cpp) give what the PyTorch layers they replace give."""
 
 from __future__ import annotations
 

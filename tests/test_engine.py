@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from qwenbatch import LLM, SamplingParams, TokensPrompt
@@ -120,6 +121,10 @@ def test_vllm_prompt_dicts_give_what_their_token_ids_give(folder):
 def test_malformed_prompts_get_a_value_error_and_leave_the_engine_clean(folder):
     llm = LLM(model=folder, dtype="float32", kv_cache_memory=32 * 2**20)
     bad = [{"prompt_token_ids": ["a"]}, {"prompt_token_ids": [True]}, [5, 1.5], {"text": "hi"}, {"prompt": 5}, 3.5]
+    ids = np.array([5, 6])
+    want = tokens(llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False))
+    for numpy_prompt in (ids, list(ids)):  # an array, and a list of numpy integers
+        assert tokens(llm.generate([numpy_prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)) == want
     for prompt in bad:
         with pytest.raises(ValueError, match="prompt"):
             llm.generate([[5, 6], prompt], SamplingParams(max_tokens=2), use_tqdm=False)

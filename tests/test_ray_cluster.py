@@ -38,16 +38,31 @@ JOB_TIMEOUT_S = 240
 LINES = 8
 
 
+# Ports handed to this module's nodes so far: free_port() only knows what is bound now, and a node's worker range
+# stays unbound until its workers start, so two draws (or the two nodes) could otherwise get the same port.
+_GIVEN_PORTS: set[int] = set()
+
+
+def _new_port() -> int:
+    while (port := free_port()) in _GIVEN_PORTS:
+        pass
+    _GIVEN_PORTS.add(port)
+    return port
+
+
 def node_ports() -> list[str]:
     """Every port a node would otherwise take by default, so that two nodes on one machine do not collide."""
-    worker_low = free_port()
+    worker_low = _new_port()
+    while any(p in _GIVEN_PORTS for p in range(worker_low + 1, worker_low + 21)):
+        worker_low = _new_port()
+    _GIVEN_PORTS.update(range(worker_low, worker_low + 21))
     return [
-        f"--node-manager-port={free_port()}",
-        f"--object-manager-port={free_port()}",
-        f"--dashboard-agent-listen-port={free_port()}",
-        f"--dashboard-agent-grpc-port={free_port()}",
-        f"--runtime-env-agent-port={free_port()}",
-        f"--metrics-export-port={free_port()}",
+        f"--node-manager-port={_new_port()}",
+        f"--object-manager-port={_new_port()}",
+        f"--dashboard-agent-listen-port={_new_port()}",
+        f"--dashboard-agent-grpc-port={_new_port()}",
+        f"--runtime-env-agent-port={_new_port()}",
+        f"--metrics-export-port={_new_port()}",
         f"--min-worker-port={worker_low}",
         f"--max-worker-port={worker_low + 20}",
     ]
@@ -112,13 +127,13 @@ def two_node_cluster() -> Iterator[str]:
     """The address (127.0.0.1:PORT) of a running head plus one more node; stopped afterwards."""
     # Short: Ray's unix sockets live under it, and a socket path may not exceed 107 bytes.
     temp_dir = Path(tempfile.mkdtemp(prefix="qbray-", dir="/tmp"))
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{_new_port()}"
     try:
         head = [
             "--head",
             f"--port={address.split(':')[1]}",
             "--include-dashboard=false",
-            f"--dashboard-port={free_port()}",
+            f"--dashboard-port={_new_port()}",
         ]
         ray_start(head, temp_dir)
         ray_start([f"--address={address}"], temp_dir)

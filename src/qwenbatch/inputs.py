@@ -18,7 +18,7 @@ class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
 
 
-PromptType = str | list[int] | TextPrompt | TokensPrompt
+PromptType = str | list[int] | TextPrompt | TokensPrompt  # and 1-D numpy arrays or tensors of ids
 
 
 def parse_prompt(prompt: PromptType) -> str | list[int]:
@@ -29,6 +29,9 @@ def parse_prompt(prompt: PromptType) -> str | list[int]:
             return prompt["prompt"]
         if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list | tuple):
             return list(prompt["prompt_token_ids"])
+        if keys in ({"prompt"}, {"prompt_token_ids"}):
+            (key,) = keys
+            raise ValueError(f"a prompt dict's {key!r} has the wrong type: {type(prompt[key]).__name__}")
         raise ValueError(
             "a prompt dict holds either 'prompt' (a string) or 'prompt_token_ids' (a list of ints), "
             f"got keys {sorted(map(str, keys))}"
@@ -37,4 +40,6 @@ def parse_prompt(prompt: PromptType) -> str | list[int]:
         return prompt
     if isinstance(prompt, list | tuple):
         return list(prompt)
+    if hasattr(prompt, "tolist") and isinstance(ids := prompt.tolist(), list):  # a numpy array or a tensor of ids
+        return ids
     raise ValueError(f"a prompt is a string, a list of token ids or a dict of either, got {type(prompt).__name__}")

@@ -7,7 +7,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from tqdm import tqdm
 
@@ -47,7 +47,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids":
         ...}`` dicts); outputs come back in prompt order."""
-        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        one_token_list = isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+        if isinstance(prompts, str | Mapping) or one_token_list:
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         results: dict[int, RequestOutput] = {}

@@ -8,6 +8,7 @@ never waits on it. Every refusal is a ValueError whose message names the numbers
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 
 import jinja2
@@ -115,7 +116,7 @@ class InputProcessor:
 
     def _tokenize(self, prompt: str | list[int], truncate_prompt_tokens: int | None) -> tuple[str | None, list[int]]:
         if not isinstance(prompt, str):
-            token_ids = list(prompt)
+            token_ids = self._as_token_ids(prompt)
             return None, token_ids if truncate_prompt_tokens is None else token_ids[-truncate_prompt_tokens:]
         if self.tokenizer is None:
             raise ValueError(NO_TOKENIZER)
@@ -128,10 +129,19 @@ class InputProcessor:
             return prompt, self.tokenizer.encode(prompt)
         return None, self.tokenizer.encode(prompt)[-truncate_prompt_tokens:]
 
+    def _as_token_ids(self, values: list) -> list[int]:
+        """Ints, numpy integers included, as Python ints; ValueError for bools, floats, strings."""
+        try:
+            if any(isinstance(t, bool) for t in values):
+                raise TypeError
+            return [operator.index(t) for t in values]
+        except TypeError:
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})") from None
+
     def _check_token_ids(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
 
     def _sample_state(self, params: SamplingParams, index: int) -> SampleState:

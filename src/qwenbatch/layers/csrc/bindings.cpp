@@ -1,5 +1,5 @@
-// The CPU kernels module: int8_linear.cpp, quantize.cpp, cpu_ops.cpp and decode_layer.cpp, built together by
-// layers/cpu_kernels.py.
+// The CPU kernels module: int8_linear.cpp, quantize.cpp, cpu_ops.cpp, decode_attention.cpp and decode_layer.cpp,
+// built together by layers/cpu_kernels.py.
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -98,12 +98,11 @@ void decode_attention_f32(const Problem<T>& pr) {
   const int64_t heads = pr.heads, kv_heads = pr.kv_heads, head_dim = pr.head_dim, block_size = pr.block_size;
   const float scale = pr.scale;
   const int64_t group = heads / kv_heads;
-  const int64_t lanes = (group + kLanes - 1) / kLanes * kLanes;  // padded query heads
-  const int64_t padded_block = (block_size + kPositions - 1) / kPositions * kPositions;
+  const int64_t lanes = round_up(group, kLanes);  // padded query heads
+  const int64_t padded_block = round_up(block_size, kPositions);
   const int64_t token_stride = pr.token_stride();
-    at::parallel_for(0, pr.num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    // kf's rows past a block's end keep whatever they held (their scores are discarded); vf's are zero, never
-    // NaN: a zero weight times NaN would still be NaN.
+  at::parallel_for(0, pr.num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    // kf's rows past a block's end keep whatever they held: their scores are taken but never used.
     std::vector<float> qt(head_dim * lanes), kf(padded_block * head_dim, 0.f), vf(block_size * head_dim),
         scores(padded_block * lanes), acc(lanes * head_dim), mx(lanes), sum(lanes);
     for (int64_t task = begin; task < end; ++task) {
@@ -131,7 +130,6 @@ void decode_attention_f32(const Problem<T>& pr) {
 #pragma omp simd
           for (int64_t i = 0; i < head_dim; ++i) vf_p[i] = to_f32(vp[i]);
         }
-        std::fill(vf.begin() + n * head_dim, vf.end(), 0.f);
         for (int64_t c = 0; c < lanes; c += kLanes) {
           const float* qc = qt.data() + c * head_dim;
           for (int64_t pb = 0; pb < n; pb += kPositions) {
