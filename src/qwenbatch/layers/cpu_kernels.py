@@ -30,6 +30,7 @@ _SOURCES = (
     "quantize.cpp",
     "cpu_ops.cpp",
     "decode_attention.cpp",
+    "prefill_attention.cpp",
     "decode_layer.cpp",
 )
 # -march per build target; "native" is what the engine uses, the others let tests check every code path here.

@@ -1,5 +1,5 @@
-// The CPU kernels module: int8_linear.cpp, quantize.cpp, cpu_ops.cpp, decode_attention.cpp and decode_layer.cpp,
-// built together by layers/cpu_kernels.py.
+// The CPU kernels module: int8_linear.cpp, quantize.cpp, cpu_ops.cpp, decode_attention.cpp,
+// prefill_attention.cpp and decode_layer.cpp, built together by layers/cpu_kernels.py.
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -12,6 +12,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "SiLU(x[..., :n]) * x[..., n:]");
   m.def("rotary", &rotary, "neox-layout RoPE of [T, heads, head_dim] rows into a new tensor");
   m.def("paged_decode_attention", &paged_decode_attention, "one query per sequence against its paged K/V");
+  m.def("prefill_attention_available", &prefill_attention_available,
+        "whether prefill_attention was built (it needs AVX512-BF16)");
+  m.def("prefill_attention", &prefill_attention,
+        "bf16 queries of a chunk against its context, bottom-right causal, FlashAttention-tiled");
   m.def("greedy_tokens", &greedy_tokens, "each row's argmax and whether it holds an inf or a NaN, in one pass");
   // module_local: the tests load builds for several targets into one process.
   py::class_<Int8Weight>(m, "Int8Weight", py::module_local(), "a linear layer's weights in int8_linear's packed format")
