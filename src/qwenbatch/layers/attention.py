@@ -7,7 +7,8 @@ sequence attends to; a backend turns it once per step into its own ``AttentionMe
 tensors shared by every layer), whose ``attend`` the model calls in each layer:
 
 - ``TorchAttentionMetadata`` (here): PyTorch's scaled_dot_product_attention, the CPU path;
-- ``KernelAttentionMetadata`` (here): the same prefill, decodes in our CPU kernel reading the paged cache;
+- ``KernelAttentionMetadata`` (here): our CPU kernels: decodes reading the paged cache in place, bf16 prefill
+  chunks in AVX512-BF16 tiles where the CPU has them (else as the PyTorch path);
 - ``TritonAttentionMetadata`` (layers/triton_backend.py): Triton kernels reading K/V through the
   block tables in place, the CUDA path (and, under TRITON_INTERPRET=1, a CPU test of it).
 """
@@ -155,21 +156,27 @@ class TorchAttentionMetadata(AttentionMetadata):
                 kk, vv = k[rows], v[rows]
             else:
                 kk, vv = k_flat[span.kv_slots], v_flat[span.kv_slots]
-            # 4-D with a batch of one: 3-D inputs send SDPA down its math path on the CPU (materialised
-            # scores: 19x slower at 2,048 tokens), 4-D ones to its flash kernel.
-            q4, k4, v4 = q[rows].transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None]
-            if span.query_len == span.context_len:
-                o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)
-            elif span.query_len >= SPLIT_CHUNK_MIN_QUERIES and q.device.type == "cpu":
-                o = _prefix_then_causal(q4, k4, v4, span.context_len - span.query_len, scale)
-            else:
-                mask = _chunk_causal_mask(span.query_len, span.context_len, q.device)
-                o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=True)
-            out[rows] = o[0].transpose(0, 1)
+            out[rows] = self._prefill(q[rows], kk, vv, scale)
 
         if self.num_decodes:
             out[: self.num_decodes] = self._decode(q[: self.num_decodes], k_flat, v_flat, kv_cache, scale)
         return out.view(num_tokens, heads * head_dim)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """One chunk's attention: q [Lq, heads, d] against its whole context k, v [Lk, kv_heads, d], the queries
+        being the context's last Lq positions (bottom-right causal). Returns [Lq, heads, d]."""
+        q_len, k_len = q.shape[0], k.shape[0]
+        # 4-D with a batch of one: 3-D inputs send SDPA down its math path on the CPU (materialised
+        # scores: 19x slower at 2,048 tokens), 4-D ones to its flash kernel.
+        q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        if q_len == k_len:
+            o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)
+        elif q_len >= SPLIT_CHUNK_MIN_QUERIES and q.device.type == "cpu":
+            o = _prefix_then_causal(q4, k4, v4, k_len - q_len, scale)
+        else:
+            mask = _chunk_causal_mask(q_len, k_len, q.device)
+            o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1)
 
     def _decode(
         self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, kv_cache: torch.Tensor, scale: float
@@ -189,7 +196,8 @@ class TorchAttentionMetadata(AttentionMetadata):
 @dataclass
 class KernelAttentionMetadata(TorchAttentionMetadata):
     """As TorchAttentionMetadata, but decoding rows read K/V through their block tables in place, in our
-    CPU kernel (layers/cpu_kernels.py): no per-step gather of each context into a padded tensor."""
+    CPU kernel (layers/cpu_kernels.py): no per-step gather of each context into a padded tensor; and bf16 prefill
+    chunks run in our prefill kernel where the CPU has AVX512-BF16."""
 
     decode_block_tables: torch.Tensor | None = None  # int32 [D, max_blocks], padded with block 0
     decode_lens: torch.Tensor | None = None  # int32 [D]
@@ -206,6 +214,14 @@ class KernelAttentionMetadata(TorchAttentionMetadata):
             tables = torch.from_numpy(padded)
             lens = torch.tensor(layout.decode_lens, dtype=torch.int32)
         return cls(base.slot_mapping, base.prefills, base.num_decodes, None, None, tables, lens)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        # Built where the CPU has AVX512-BF16; 2.2-3.8x SDPA's flash kernel on the default model's shapes
+        # (benchmarks/prefill_attention_micro.py).
+        ops = kernels()
+        if q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0 and ops.prefill_attention_available():
+            return ops.prefill_attention(q, k, v, scale)
+        return super()._prefill(q, k, v, scale)
 
     def _decode(
         self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, kv_cache: torch.Tensor, scale: float

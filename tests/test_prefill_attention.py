@@ -1,0 +1,128 @@
+"""Our bf16 prefill attention kernel (layers/csrc/prefill_attention.cpp): bottom-right causal attention of a chunk
+on its context, within a rounding step of float32 attention, and what the engine runs for bf16 prefill chunks on a
+CPU with AVX512-BF16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qwenbatch.layers.attention import KernelAttentionMetadata, StepLayout, TorchAttentionMetadata
+from qwenbatch.layers.cpu_kernels import kernels
+
+pytestmark = pytest.mark.skipif(
+    not kernels().prefill_attention_available(), reason="the prefill kernel needs AVX512-BF16, which this CPU lacks"
+)
+
+
+def _float32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Bottom-right causal attention in float32 on the same stored values: [Lq, heads, d]."""
+    q_len, heads, _ = q.shape
+    k_len, kv_heads, _ = k.shape
+    group = heads // kv_heads
+    kf, vf = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
+    visible = torch.arange(k_len)[None, :] <= torch.arange(q_len)[:, None] + (k_len - q_len)
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", weights, vf)
+
+
+@pytest.mark.parametrize(
+    ("q_len", "k_len", "heads", "kv_heads", "head_dim"),
+    [
+        (1, 1, 14, 2, 64),  # a one-token prompt
+        (50, 50, 14, 2, 64),  # a fresh prompt, not a whole tile
+        (37, 300, 14, 2, 64),  # a chunk after a cached prefix
+        (130, 1000, 14, 2, 64),  # a long prefix, several query and key blocks
+        (100, 100, 16, 8, 128),  # Qwen3's head_dim
+        (49, 49, 4, 4, 32),  # no GQA, the smallest head_dim
+        (1, 257, 14, 2, 64),  # a one-token chunk after a prefix
+    ],
+)
+def test_prefill_attention_is_within_a_rounding_step_of_float32(q_len, k_len, heads, kv_heads, head_dim):
+    """Products of bf16 values are exact in float32 and the weights are rounded to bf16 for P.V (as FlashAttention
+    does on GPUs), so no output element is far from float32 attention: within 1.5 bfloat16 steps at its row's
+    largest output (the weights' rounding errs in absolute terms; measured: at most 0.96 steps)."""
+    torch.manual_seed(q_len * 7 + k_len)
+    q = torch.randn(q_len, heads, head_dim, dtype=torch.bfloat16) * 3
+    k = torch.randn(k_len, kv_heads, head_dim, dtype=torch.bfloat16)
+    v = torch.randn(k_len, kv_heads, head_dim, dtype=torch.bfloat16)
+    scale = head_dim**-0.5
+    got = kernels().prefill_attention(q, k, v, scale).float()
+    want = _float32_attention(q, k, v, scale)
+    step = 2.0 ** (torch.floor(torch.log2(want.abs().amax(-1, keepdim=True))) - 7)
+    assert bool(((got - want).abs() <= 1.5 * step).all()), float(((got - want).abs() / step).max())
+
+
+def test_strided_rows_as_the_model_passes_them():
+    """The model hands q, k and v as views of one fused projection: rows further apart than heads * head_dim."""
+    torch.manual_seed(1)
+    fused = torch.randn(70, (14 + 2 + 2) * 64, dtype=torch.bfloat16)
+    q = fused[:, : 14 * 64].view(70, 14, 64)
+    k = fused[:, 14 * 64 : 16 * 64].view(70, 2, 64)
+    v = fused[:, 16 * 64 :].view(70, 2, 64)
+    got = kernels().prefill_attention(q, k, v, 0.125)
+    torch.testing.assert_close(got, kernels().prefill_attention(q.contiguous(), k.contiguous(), v.contiguous(), 0.125))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda q, k: (q.float(), k.float(), k.float()),  # not bf16
+        lambda q, k: (q[..., :48], k[..., :48], k[..., :48]),  # head_dim not a multiple of 32
+        lambda q, k: (q, k[:10], k[:10]),  # fewer keys than queries
+        lambda q, k: (q[:, :13], k, k),  # heads not a multiple of kv_heads
+    ],
+)
+def test_shapes_it_cannot_take_are_refused(bad):
+    q = torch.randn(20, 14, 64, dtype=torch.bfloat16)
+    k = torch.randn(20, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="prefill_attention"):
+        kernels().prefill_attention(*bad(q, k), 0.125)
+
+
+def test_kernel_metadata_runs_bf16_prefill_chunks_in_the_kernel(monkeypatch):
+    """A step with decodes, a fresh prompt and a chunk after a cached prefix: both prefill spans go to the kernel
+    (no SDPA call for them), and the step's output is the PyTorch path's within bf16 rounding."""
+    heads, kv_heads, head_dim, bs = 14, 2, 64, 16
+    torch.manual_seed(0)
+    cache = torch.randn(2, 40, bs, kv_heads, head_dim, dtype=torch.bfloat16)
+    layout = StepLayout(bs)
+    layout.add_decode(3, [5, 6], 20)
+    layout.add_prefill([1] * 50, [0, 1, 2, 3], 0)
+    layout.add_prefill([1] * 37, list(range(10, 30)), 263)
+    n = layout.num_tokens
+    q = torch.randn(n, heads, head_dim, dtype=torch.bfloat16)
+    k = torch.randn(n, kv_heads, head_dim, dtype=torch.bfloat16)
+    v = torch.randn(n, kv_heads, head_dim, dtype=torch.bfloat16)
+    want = TorchAttentionMetadata.build(layout, torch.device("cpu")).attend(q, k, v, cache.clone(), 0.125)
+
+    calls: list[tuple[int, int]] = []
+    real = kernels().prefill_attention
+    monkeypatch.setattr(
+        kernels(), "prefill_attention", lambda q, k, v, s: calls.append((len(q), len(k))) or real(q, k, v, s)
+    )
+    got = KernelAttentionMetadata.build(layout, torch.device("cpu")).attend(q, k, v, cache, 0.125)
+    assert calls == [(50, 50), (37, 300)]
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_bf16_engine_prefills_in_the_kernel_and_generates_as_the_pytorch_path(tiny_qwen3, monkeypatch):
+    """tiny_qwen3 has head_dim 32: its bf16 prompts, chunked after a cached prefix, run in the kernel, and greedy
+    tokens are the PyTorch path's."""
+    from qwenbatch import LLM, SamplingParams
+
+    common = dict(model=str(tiny_qwen3), dtype="bfloat16", kv_cache_memory=8 * 2**20, max_num_batched_tokens=32)
+    plain = LLM(**common, cpu_kernels="off")
+    fused = LLM(**common, cpu_kernels="on")
+    prompts = [[5, 9, 14, 3, 7], list(range(20, 90)), [8, 30, 6, 17, 2, 11, 4]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    calls: list[tuple[int, int]] = []
+    real = kernels().prefill_attention
+    monkeypatch.setattr(
+        kernels(), "prefill_attention", lambda q, k, v, s: calls.append((len(q), len(k))) or real(q, k, v, s)
+    )
+    got = [o.outputs[0].token_ids for o in fused.generate(prompts, params, use_tqdm=False)]
+    assert any(q_len < k_len for q_len, k_len in calls)  # the 70-token prompt's later chunks
+    assert got == want
