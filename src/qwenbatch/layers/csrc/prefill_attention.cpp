@@ -31,9 +31,10 @@ bool prefill_attention_available() {
 #ifdef QB_PREFILL_BF16
 namespace {
 
-// A task is kQueryRows queries of one head; it walks its context kKeys keys at a time. The score tile is kScoreRows
-// queries x 32 keys (24 accumulators), the output tile kOutRows queries x 64 dimensions (24 accumulators).
-constexpr int64_t kQueryRows = 48, kKeys = 64, kScoreRows = 12, kOutRows = 6;
+// A task is kQueryRows queries of one head; it walks its context kKeys keys at a time (128 rather than 64: the
+// softmax's per-row reductions and the output's rescaling come half as often, 5% faster at 2,048 tokens). The score
+// tile is kScoreRows queries x 32 keys (24 accumulators), the output tile kOutRows queries x 64 dimensions (24).
+constexpr int64_t kQueryRows = 48, kKeys = 128, kScoreRows = 12, kOutRows = 6;
 
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
@@ -43,8 +44,9 @@ inline uint32_t word(const c10::BFloat16* p) {  // two adjacent bf16 values, a v
   return w;
 }
 
-// scores[r][0..32) = q_r . k for kScoreRows queries (dim_pairs words each, consecutive) and 32 keys: two panels of
-// 16 keys, each [dim pair][key][2 dims], the second `panel` words after the first.
+// scores[r][0..32) = q_r . k for kScoreRows queries and 32 keys. q: [dim pair][kQueryRows] words (one base pointer
+// and constant offsets: a pointer per row would not fit the general registers); k: two panels of 16 keys, each
+// [dim pair][key][2 dims], the second `panel` words after the first.
 inline void score_tile(const uint32_t* q, int64_t dim_pairs, const uint32_t* k, int64_t panel, float* scores,
                        int64_t stride) {
   __m512 acc[kScoreRows][2];
@@ -53,7 +55,7 @@ inline void score_tile(const uint32_t* q, int64_t dim_pairs, const uint32_t* k, 
     const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k + j * 16);
     const __m512bh k1 = (__m512bh)_mm512_loadu_si512(k + panel + j * 16);
     for (int64_t r = 0; r < kScoreRows; ++r) {
-      const __m512bh qr = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * dim_pairs + j]));
+      const __m512bh qr = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[j * kQueryRows + r]));
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], k0, qr);
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1, qr);
     }
@@ -122,18 +124,17 @@ void pack_kv(const Problem& pr, int64_t padded, uint32_t* k_packed, uint32_t* v_
   });
 }
 
-// vec_exp (float_math.h) on 16 lanes, in intrinsics: the same clamp and polynomial, 2^n applied by vscalefps.
+// exp(x) on 16 lanes for x <= 0 (scores less their running maximum): 2^(x log2 e) split into 2^n, applied by
+// vscalefps (0 once n is below float's range), and 2^f, f in [-0.5, 0.5], by a degree-4 least-squares polynomial
+// (relative error 7e-6: the weights are rounded to bf16, 4e-3, for P.V anyway).
 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5353362e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6180428e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022652e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  __m512 p = _mm512_set1_ps(9.6707631e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5875502e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022212e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312727e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
@@ -163,7 +164,7 @@ inline float softmax_row(const float* s, int64_t visible, float scale, float& mx
   }
   for (int64_t c = 0; c < kVectors; c += 2)  // rounded to nearest even
     _mm512_storeu_si512(p + c * 8, (__m512i)_mm512_cvtne2ps_pbh(weights[c + 1], weights[c]));
-  const float shrink = mx == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(mx - new_max);
+  const float shrink = mx == -std::numeric_limits<float>::infinity() ? 0.f : qb::vec_exp(mx - new_max);
   sum = sum * shrink + _mm512_reduce_add_ps(vsum);
   mx = new_max;
   return shrink;
@@ -186,7 +187,7 @@ void prefill_attention_bf16(const Problem& pr) {
       std::fill(q.begin(), q.end(), 0u);  // rows past the chunk: zero queries, their results dropped
       for (int64_t r = 0; r < rows; ++r) {
         const c10::BFloat16* src = pr.q + (q0 + r) * pr.q_row + h * pr.q_head;
-        for (int64_t j = 0; j < dim_pairs; ++j) q[r * dim_pairs + j] = word(src + 2 * j);
+        for (int64_t j = 0; j < dim_pairs; ++j) q[j * kQueryRows + r] = word(src + 2 * j);
       }
       std::fill(out.begin(), out.end(), 0.f);
       std::fill(p.begin(), p.end(), 0u);  // rows past the chunk keep zero weights
@@ -198,7 +199,7 @@ void prefill_attention_bf16(const Problem& pr) {
       for (int64_t k0 = 0; k0 < keys_seen; k0 += kKeys) {
         for (int64_t r = 0; r < kQueryRows; r += kScoreRows)
           for (int64_t kk = 0; kk < kKeys; kk += 32)
-            score_tile(q.data() + r * dim_pairs, dim_pairs, kh + (k0 + kk) * dim_pairs, 16 * dim_pairs,
+            score_tile(q.data() + r, dim_pairs, kh + (k0 + kk) * dim_pairs, 16 * dim_pairs,
                        scores.data() + r * kKeys + kk, kKeys);
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t visible = std::min({kKeys, q0 + r + offset + 1 - k0, pr.k_len - k0});
