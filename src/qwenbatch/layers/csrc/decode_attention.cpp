@@ -1,8 +1,8 @@
 // Decode attention on the CPU: each decoding row's query heads against its sequence's context, read through the
 // block tables from the paged KV cache in place (no per-step gather of the context), in one pass with the softmax
-// taken online. Two kernels: decode_attention_bf16 takes both products on the stored bfloat16 values with
-// AVX512-BF16's pair dot products (vdpbf16ps) where the CPU has them; decode_attention_f32 converts each block to
-// float32 and runs plain FMAs, for every dtype and CPU.
+// taken online: each block converted to float32 in L1, plain FMAs, for every dtype and CPU. (A second kernel on the
+// stored bf16 values with AVX512-BF16's pair dot products ran 1.8x faster from cache but no faster end to end: a
+// real step finds its KV in memory, and waits on it. BENCHMARKS.md, issue 15's sixth and seventh sessions.)
 #include "float_math.h"
 #include "ops.h"
 
@@ -11,13 +11,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
-
-#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define QB_DOT_BF16 1
-#endif
 
 namespace {
 
@@ -177,126 +171,6 @@ void decode_attention_f32(const Problem<T>& pr) {
   });
 }
 
-#ifdef QB_DOT_BF16
-// Two bf16 values (adjacent in memory) in every 32-bit lane: a vdpbf16ps operand that pairs them with another's.
-inline uint32_t bf16_pair(const c10::BFloat16* p) {
-  uint32_t w;
-  std::memcpy(&w, p, 4);
-  return w;
-}
-
-// The same pass as decode_attention_f32 on a bfloat16 cache, with vdpbf16ps (each float32 lane += the sum of two
-// bf16 products) reading K and V as stored: no float32 copies, half the instructions of the FMAs.
-// - Q.K: the lanes are the heads; one instruction adds two dimensions' products for 8 heads, with K's pair of
-//   dimensions broadcast. Products of bf16 values are exact in float32, so only the order of the sum differs from
-//   float32 FMAs; the scale multiplies the dot products (Q stays exact).
-// - P.V: the lanes are 16 dimensions; one instruction adds two positions' P * V for one head, V's two rows
-//   interleaved (vpunpck{l,h}wd, so each accumulator holds every other group of 4 dimensions: `acc` keeps that
-//   order until the output is written) and the head's two weights broadcast. The weights are rounded to bf16 for
-//   it, as FlashAttention does on GPUs; their sums stay float32.
-void decode_attention_bf16(const Problem<c10::BFloat16>& pr) {
-  using bf16 = c10::BFloat16;
-  const int64_t group = pr.heads / pr.kv_heads, chunks = round_up(group, kLanes) / kLanes;
-  const int64_t dim_pairs = pr.head_dim / 2, zmms = pr.head_dim / 32;  // a row: dim_pairs words, zmms zmm loads
-  const int64_t padded_block = round_up(pr.block_size, kPositions), token_stride = pr.token_stride();
-  at::parallel_for(0, pr.num_seqs * pr.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> q_pairs(chunks * dim_pairs * kLanes);       // [chunk][dim pair][lane]
-    std::vector<uint32_t> p_pairs(padded_block / 2 * kLanes);         // [position pair][lane]
-    std::vector<float> scores(padded_block * kLanes), mx(chunks * kLanes), sum(chunks * kLanes);
-    std::vector<float> acc(chunks * zmms * 2 * kLanes * 16);           // [chunk][zmm][lo/hi][lane][16]
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / pr.kv_heads, h = task % pr.kv_heads, len = pr.lens[s];
-      std::fill(q_pairs.begin(), q_pairs.end(), 0u);
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t j = 0; j < dim_pairs; ++j)
-          q_pairs[((g / kLanes) * dim_pairs + j) * kLanes + g % kLanes] =
-              bf16_pair(pr.q + (s * pr.heads + h * group + g) * pr.head_dim + 2 * j);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
-      std::fill(sum.begin(), sum.end(), 0.f);
-      const __m256 scale = _mm256_set1_ps(pr.scale);
-      for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += pr.block_size) {
-        const int64_t n = std::min(pr.block_size, len - p0);
-        if (p0 + pr.block_size < len) pr.prefetch_block(s, b + 1, h);
-        const bf16* k_block = pr.k_cache + pr.head_offset(s, b, h);
-        const bf16* v_block = pr.v_cache + pr.head_offset(s, b, h);
-        for (int64_t c = 0; c < chunks; ++c) {
-          const uint32_t* qc = q_pairs.data() + c * dim_pairs * kLanes;
-          for (int64_t pb = 0; pb < n; pb += kPositions) {
-            const bf16* rows[kPositions];  // past the block's end: its last row again (scores discarded)
-            for (int64_t i = 0; i < kPositions; ++i) rows[i] = k_block + std::min(pb + i, n - 1) * token_stride;
-            __m256 dots[kPositions];
-            for (int64_t i = 0; i < kPositions; ++i) dots[i] = _mm256_setzero_ps();
-            for (int64_t j = 0; j < dim_pairs; ++j) {
-              const __m256bh qj = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qc + j * kLanes));
-              for (int64_t i = 0; i < kPositions; ++i)
-                dots[i] = _mm256_dpbf16_ps(dots[i], qj, (__m256bh)_mm256_set1_epi32(bf16_pair(rows[i] + 2 * j)));
-            }
-            for (int64_t i = 0; i < kPositions; ++i)
-              _mm256_storeu_ps(scores.data() + (pb + i) * kLanes, _mm256_mul_ps(dots[i], scale));
-          }
-          float shrink[kLanes];
-          online_softmax_step(scores.data(), kLanes, n, mx.data() + c * kLanes, sum.data() + c * kLanes, shrink);
-          const int64_t pairs = (n + 1) / 2;
-          for (int64_t k = 0; k < pairs; ++k)
-            for (int64_t l = 0; l < kLanes; ++l) {
-              const uint32_t lo = from_f32<bf16>(scores[2 * k * kLanes + l]).x;
-              const uint32_t hi = 2 * k + 1 < n ? from_f32<bf16>(scores[(2 * k + 1) * kLanes + l]).x : 0u;
-              p_pairs[k * kLanes + l] = lo | hi << 16;
-            }
-          for (int64_t z = 0; z < zmms; ++z) {
-            float* a = acc.data() + (c * zmms + z) * 2 * kLanes * 16;
-            __m512 lo_acc[kLanes], hi_acc[kLanes];
-            for (int64_t l = 0; l < kLanes; ++l) {
-              const __m512 f = _mm512_set1_ps(shrink[l]);
-              lo_acc[l] = _mm512_mul_ps(_mm512_loadu_ps(a + l * 16), f);
-              hi_acc[l] = _mm512_mul_ps(_mm512_loadu_ps(a + (kLanes + l) * 16), f);
-            }
-            for (int64_t k = 0; k < pairs; ++k) {
-              const bf16* v0 = v_block + 2 * k * token_stride + z * 32;
-              const __m512i r0 = _mm512_loadu_si512(v0);
-              // An odd block's last pair takes zeros, not the next slot: that may hold anything, NaN included.
-              const __m512i r1 = 2 * k + 1 < n ? _mm512_loadu_si512(v0 + token_stride) : _mm512_setzero_si512();
-              const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(r0, r1), hi = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
-              for (int64_t l = 0; l < kLanes; ++l) {
-                const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(p_pairs[k * kLanes + l]));
-                lo_acc[l] = _mm512_dpbf16_ps(lo_acc[l], lo, w);
-                hi_acc[l] = _mm512_dpbf16_ps(hi_acc[l], hi, w);
-              }
-            }
-            for (int64_t l = 0; l < kLanes; ++l) {
-              _mm512_storeu_ps(a + l * 16, lo_acc[l]);
-              _mm512_storeu_ps(a + (kLanes + l) * 16, hi_acc[l]);
-            }
-          }
-        }
-      }
-      // Undo the interleaving: dimension d of zmm z sits in 128-bit lane (d % 32) / 8, at 4-word offset d % 4 of
-      // the lo accumulator for d % 8 < 4, else of the hi one.
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t c = g / kLanes, l = g % kLanes;
-        const float inv = 1.f / sum[g];
-        bf16* o = pr.out + (s * pr.heads + h * group + g) * pr.head_dim;
-        for (int64_t d = 0; d < pr.head_dim; ++d) {
-          const int64_t z = d / 32, w = d % 32, half = (w % 8) / 4;
-          o[d] = from_f32<bf16>(acc[(((c * zmms + z) * 2 + half) * kLanes + l) * 16 + (w / 8) * 4 + w % 4] * inv);
-        }
-      }
-    }
-  });
-}
-#endif
-
-// The bf16 kernel where the CPU and the shapes allow, else the float32 one.
-template <typename T>
-void decode_attention(const Problem<T>& pr) {
-#ifdef QB_DOT_BF16
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (pr.head_dim % 32 == 0) return decode_attention_bf16(pr);
-  }
-#endif
-  decode_attention_f32(pr);
-}
 
 }  // namespace
 
@@ -318,7 +192,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   torch::Tensor out = torch::empty_like(qc);
   const int64_t half = kv_cache.numel() / 2;
   QB_DISPATCH(q.scalar_type(), "paged_decode_attention",
-              decode_attention(Problem<scalar_t>{qc.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(),
+              decode_attention_f32(Problem<scalar_t>{qc.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(),
                                                  kv_cache.data_ptr<scalar_t>() + half, tables.data_ptr<int32_t>(),
                                                  lc.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), D, heads,
                                                  kv_heads, head_dim, block_size, tables.size(1),
