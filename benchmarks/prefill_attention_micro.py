@@ -14,9 +14,8 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
-from qwenbatch.layers.attention import SPLIT_CHUNK_MIN_QUERIES, _chunk_causal_mask, _prefix_then_causal
+from qwenbatch.layers.attention import sdpa_chunk_attention
 from qwenbatch.layers.cpu_kernels import kernels
 
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
@@ -30,18 +29,6 @@ def median_ms(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
-
-
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """The engine's SDPA path for one chunk (layers/attention.py), on [L, heads, d] rows."""
-    q_len, k_len = q.shape[0], k.shape[0]
-    q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    if q_len == k_len:
-        return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)
-    if q_len >= SPLIT_CHUNK_MIN_QUERIES:
-        return _prefix_then_causal(q4, k4, v4, k_len - q_len, scale)
-    mask = _chunk_causal_mask(q_len, k_len, q.device)
-    return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 def main() -> None:
@@ -62,7 +49,7 @@ def main() -> None:
         v = torch.randn(k_len, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
         visible = q_len * (k_len - q_len) + q_len * (q_len + 1) / 2
         flop = 4 * HEADS * HEAD_DIM * visible
-        theirs = median_ms(lambda q=q, k=k, v=v: sdpa(q, k, v, scale), args.repeats)
+        theirs = median_ms(lambda q=q, k=k, v=v: sdpa_chunk_attention(q, k, v, scale), args.repeats)
         ours = median_ms(lambda q=q, k=k, v=v: ops.prefill_attention(q, k, v, scale), args.repeats)
         print(
             f"{shape:>16} {theirs:9.2f} {ours:9.2f} {flop / theirs / 1e6:10.1f} {flop / ours / 1e6:10.1f}"

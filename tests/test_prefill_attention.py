@@ -10,9 +10,12 @@ import torch
 from qwenbatch.layers.attention import KernelAttentionMetadata, StepLayout, TorchAttentionMetadata
 from qwenbatch.layers.cpu_kernels import kernels
 
-pytestmark = pytest.mark.skipif(
-    not kernels().prefill_attention_available(), reason="the prefill kernel needs AVX512-BF16, which this CPU lacks"
-)
+
+@pytest.fixture(autouse=True)
+def _needs_the_kernel() -> None:
+    # In a fixture, not at import: collecting the tests must not build the kernels.
+    if not kernels().prefill_attention_available():
+        pytest.skip("the prefill kernel needs AVX512-BF16, which this CPU lacks")
 
 
 def _float32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -36,6 +39,7 @@ def _float32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
         (130, 1000, 14, 2, 64),  # a long prefix, several query and key blocks
         (100, 100, 16, 8, 128),  # Qwen3's head_dim
         (49, 49, 4, 4, 32),  # no GQA, the smallest head_dim
+        (60, 200, 8, 2, 96),  # a head_dim of 64 + 32: both output tile widths
         (1, 257, 14, 2, 64),  # a one-token chunk after a prefix
     ],
 )
@@ -61,8 +65,11 @@ def test_strided_rows_as_the_model_passes_them():
     q = fused[:, : 14 * 64].view(70, 14, 64)
     k = fused[:, 14 * 64 : 16 * 64].view(70, 2, 64)
     v = fused[:, 16 * 64 :].view(70, 2, 64)
-    got = kernels().prefill_attention(q, k, v, 0.125)
-    torch.testing.assert_close(got, kernels().prefill_attention(q.contiguous(), k.contiguous(), v.contiguous(), 0.125))
+    want = kernels().prefill_attention(q.contiguous(), k.contiguous(), v.contiguous(), 0.125)
+    assert torch.equal(kernels().prefill_attention(q, k, v, 0.125), want)
+    # Dimensions not adjacent in memory are made so first.
+    q_t, k_t, v_t = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    assert torch.equal(kernels().prefill_attention(q_t, k_t, v_t, 0.125), want)
 
 
 @pytest.mark.parametrize(
@@ -72,6 +79,9 @@ def test_strided_rows_as_the_model_passes_them():
         lambda q, k: (q[..., :48], k[..., :48], k[..., :48]),  # head_dim not a multiple of 32
         lambda q, k: (q, k[:10], k[:10]),  # fewer keys than queries
         lambda q, k: (q[:, :13], k, k),  # heads not a multiple of kv_heads
+        lambda q, k: (q, k, k[:, :1]),  # v not shaped as k
+        lambda q, k: (q[0], k, k),  # not [tokens, heads, head_dim]
+        lambda q, k: (q, k[:, :0], k[:, :0]),  # no KV heads
     ],
 )
 def test_shapes_it_cannot_take_are_refused(bad):
@@ -79,6 +89,14 @@ def test_shapes_it_cannot_take_are_refused(bad):
     k = torch.randn(20, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="prefill_attention"):
         kernels().prefill_attention(*bad(q, k), 0.125)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.125])
+def test_a_scale_that_is_not_positive_is_refused(scale):
+    q = torch.randn(20, 14, 64, dtype=torch.bfloat16)
+    k = torch.randn(20, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="scale must be positive"):
+        kernels().prefill_attention(q, k, k, scale)
 
 
 def test_kernel_metadata_runs_bf16_prefill_chunks_in_the_kernel(monkeypatch):

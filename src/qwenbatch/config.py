@@ -69,7 +69,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     # int8: CPU linears with int8 weights and activations, one scale per 32 values (vLLM's flag name).
     quantization: str = "none"
-    # Our fused CPU kernels (layers/csrc) for norms, SiLU * up, RoPE and paged decode attention. auto: on for
+    # Our fused CPU kernels (layers/csrc) for norms, SiLU * up, RoPE, paged decode attention and (bf16, with
+    # AVX512-BF16) prefill attention. auto: on for
     # half-precision dtypes where a C++ compiler is found (built once, ~60 s); off in float32, whose bits then
     # stay PyTorch's; always on with int8.
     cpu_kernels: str = "auto"

@@ -69,7 +69,8 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
         "--cpu-kernels",
         choices=["auto", "on", "off"],
         default=None,
-        help="CPU: fused norms, SiLU*up, RoPE and paged decode attention in our C++ kernels (built once, ~60 s; "
+        help="CPU: fused norms, SiLU*up, RoPE and paged decode attention (bf16 prefill attention too, with "
+        "AVX512-BF16) in our C++ kernels (built once, ~60 s; "
         "auto: on for bfloat16/float16 where a C++ compiler exists, off in float32)",
     )
     g.add_argument(

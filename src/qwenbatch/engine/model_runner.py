@@ -105,7 +105,9 @@ class ModelRunner:
         logger.info(
             "attention backend: %s%s on %s; linears: %s",
             attention_backend,
-            " (decode in the CPU kernel)" if self._metadata_class is KernelAttentionMetadata else "",
+            " (decode, and bf16 prefill with AVX512-BF16, in the CPU kernels)"
+            if self._metadata_class is KernelAttentionMetadata
+            else "",
             device,
             self.linear_kernels,
         )

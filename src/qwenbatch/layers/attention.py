@@ -165,18 +165,7 @@ class TorchAttentionMetadata(AttentionMetadata):
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """One chunk's attention: q [Lq, heads, d] against its whole context k, v [Lk, kv_heads, d], the queries
         being the context's last Lq positions (bottom-right causal). Returns [Lq, heads, d]."""
-        q_len, k_len = q.shape[0], k.shape[0]
-        # 4-D with a batch of one: 3-D inputs send SDPA down its math path on the CPU (materialised
-        # scores: 19x slower at 2,048 tokens), 4-D ones to its flash kernel.
-        q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        if q_len == k_len:
-            o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)
-        elif q_len >= SPLIT_CHUNK_MIN_QUERIES and q.device.type == "cpu":
-            o = _prefix_then_causal(q4, k4, v4, k_len - q_len, scale)
-        else:
-            mask = _chunk_causal_mask(q_len, k_len, q.device)
-            o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o[0].transpose(0, 1)
+        return sdpa_chunk_attention(q, k, v, scale)
 
     def _decode(
         self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, kv_cache: torch.Tensor, scale: float
@@ -219,7 +208,12 @@ class KernelAttentionMetadata(TorchAttentionMetadata):
         # Built where the CPU has AVX512-BF16; 2.2-3.8x SDPA's flash kernel on the default model's shapes
         # (benchmarks/prefill_attention_micro.py).
         ops = kernels()
-        if q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0 and ops.prefill_attention_available():
+        if (
+            q.device.type == "cpu"
+            and q.dtype == torch.bfloat16
+            and q.shape[-1] % 32 == 0
+            and ops.prefill_attention_available()
+        ):
             return ops.prefill_attention(q, k, v, scale)
         return super()._prefill(q, k, v, scale)
 
@@ -227,6 +221,23 @@ class KernelAttentionMetadata(TorchAttentionMetadata):
         self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
         return kernels().paged_decode_attention(q, kv_cache, self.decode_block_tables, self.decode_lens, scale)
+
+
+def sdpa_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Bottom-right causal attention of a chunk's q [Lq, heads, d] on its context k, v [Lk, kv_heads, d] with
+    PyTorch's SDPA, on its flash kernel. Returns [Lq, heads, d]."""
+    q_len, k_len = q.shape[0], k.shape[0]
+    # 4-D with a batch of one: 3-D inputs send SDPA down its math path on the CPU (materialised
+    # scores: 19x slower at 2,048 tokens), 4-D ones to its flash kernel.
+    q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if q_len == k_len:
+        o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)
+    elif q_len >= SPLIT_CHUNK_MIN_QUERIES and q.device.type == "cpu":
+        o = _prefix_then_causal(q4, k4, v4, k_len - q_len, scale)
+    else:
+        mask = _chunk_causal_mask(q_len, k_len, q.device)
+        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
 
 
 # A chunk of at least this many queries after a cached prefix runs as two flash calls without a mask (the prefix,

@@ -3,7 +3,7 @@
 At batch 1 a layer's ~35 PyTorch and Python operations around its kernels (module calls, views, the split of
 qkv, the cache write, the residual adds) cost ~3 ms of a ~20 ms step, about as much as its attention; the C++
 layer sequences the same kernels with the same rounding. Steps with a prompt in them keep the layer's own
-forward (prefill attention is SDPA's). Only layers whose linears are all Int8Linear are fused.
+forward. Only layers whose linears are all Int8Linear are fused.
 """
 
 from __future__ import annotations

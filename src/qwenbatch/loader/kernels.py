@@ -20,7 +20,7 @@ class ModelKernels:
     """What ``prepare_kernels`` chose; ``linear_kernels`` is recorded in the log and in bench JSON."""
 
     linear_kernels: str  # e.g. "torch", "onednn-prepacked-bfloat16", "int8-avx512vnni", "inductor"
-    cpu_kernels: bool  # norms, SiLU * up, RoPE and decode attention run in layers/csrc (the int8 path)
+    cpu_kernels: bool  # norms, SiLU * up, RoPE and attention run in layers/csrc (the int8 path)
     compiled: bool = False  # the runner compiles the model (--compile); its linears stay nn.Linear for inductor
 
 
@@ -36,13 +36,14 @@ def prepare_kernels(
 ) -> ModelKernels:
     """Swap ``model``'s layers in place for the fastest kernels this CPU has (nothing changes on CUDA).
 
-    With ``cpu_kernels`` the norms, SiLU * up, RoPE and decode attention run in our fused CPU kernels
-    (layers/cpu_kernels.py: a small step is otherwise mostly PyTorch per-op overhead and decode attention's
-    gather); int8 needs them. Linears that stay dense are prepacked for oneDNN where it has a fast path
-    for ``dtype``. Kernels that fail to build raise RuntimeError if ``required``, else the PyTorch layers stay
-    (with a warning). With int8 each linear is quantized from its weights as ``checkpoint`` holds them, in
-    float32 (the model's copy may be rounded), a slice at a time. With ``compile`` only the LM head (run
-    outside the compiled graph) is prepacked: inductor packs the rest itself when it freezes the weights.
+    With ``cpu_kernels`` the norms, SiLU * up, RoPE and decode attention (and bf16 prefill attention where the
+    CPU has AVX512-BF16) run in our fused CPU kernels (layers/cpu_kernels.py: a small step is otherwise mostly
+    PyTorch per-op overhead and decode attention's gather); int8 needs them. Linears that stay dense are
+    prepacked for oneDNN where it has a fast path for ``dtype``. Kernels that fail to build raise RuntimeError
+    if ``required``, else the PyTorch layers stay (with a warning). With int8 each linear is quantized from its
+    weights as ``checkpoint`` holds them, in float32 (the model's copy may be rounded), a slice at a time. With
+    ``compile`` only the LM head (run outside the compiled graph) is prepacked: inductor packs the rest itself
+    when it freezes the weights.
     """
     if compile:
         packed = onednn_available(dtype, device) and pack_linears(

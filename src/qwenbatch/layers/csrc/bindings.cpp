@@ -3,7 +3,9 @@
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_linear", &int8_linear, "y = x . W^T + bias, W packed in 8 or 5 bits with a scale per 32 weights",
+  // The long calls release the GIL: a server's event loop shares the process with the engine's thread.
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("int8_linear", &int8_linear, "y = x . W^T + bias, W packed in 8 or 5 bits with a scale per 32 weights", no_gil,
         py::arg("x"), py::arg("w"), py::arg("scales"), py::arg("bias"), py::arg("n"), py::arg("bits") = 8);
   m.def("quantize_groups", &quantize_groups,
         "per group of 32: Q5_0's rule where exact, else Q8_0's -> (int8 values, float16 scales, q5, exact)");
@@ -11,11 +13,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm in float32, scaled in the input dtype");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(x[..., :n]) * x[..., n:]");
   m.def("rotary", &rotary, "neox-layout RoPE of [T, heads, head_dim] rows into a new tensor");
-  m.def("paged_decode_attention", &paged_decode_attention, "one query per sequence against its paged K/V");
+  m.def("paged_decode_attention", &paged_decode_attention, "one query per sequence against its paged K/V", no_gil);
   m.def("prefill_attention_available", &prefill_attention_available,
         "whether prefill_attention was built (it needs AVX512-BF16)");
   m.def("prefill_attention", &prefill_attention,
-        "bf16 queries of a chunk against its context, bottom-right causal, FlashAttention-tiled");
+        "bf16 queries of a chunk against its context, bottom-right causal, FlashAttention-tiled", no_gil);
   m.def("greedy_tokens", &greedy_tokens, "each row's argmax and whether it holds an inf or a NaN, in one pass");
   // module_local: the tests load builds for several targets into one process.
   py::class_<Int8Weight>(m, "Int8Weight", py::module_local(), "a linear layer's weights in int8_linear's packed format")
@@ -38,5 +40,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("head_dim", &DecodeLayerWeights::head_dim)
       .def_readwrite("eps", &DecodeLayerWeights::eps)
       .def_readwrite("scale", &DecodeLayerWeights::scale);
-  m.def("decode_layer", &decode_layer, "one decoder layer of a step in which every row decodes");
+  m.def("decode_layer", &decode_layer, "one decoder layer of a step in which every row decodes", no_gil);
 }

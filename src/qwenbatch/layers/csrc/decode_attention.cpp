@@ -171,7 +171,6 @@ void decode_attention_f32(const Problem<T>& pr) {
   });
 }
 
-
 }  // namespace
 
 // q: [D, heads, head_dim]; kv_cache: [2, blocks, block_size, kv_heads, head_dim]; block_tables: int32 [D, max_blocks];
@@ -193,9 +192,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const int64_t half = kv_cache.numel() / 2;
   QB_DISPATCH(q.scalar_type(), "paged_decode_attention",
               decode_attention_f32(Problem<scalar_t>{qc.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(),
-                                                 kv_cache.data_ptr<scalar_t>() + half, tables.data_ptr<int32_t>(),
-                                                 lc.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), D, heads,
-                                                 kv_heads, head_dim, block_size, tables.size(1),
-                                                 static_cast<float>(scale)}));
+                                                     kv_cache.data_ptr<scalar_t>() + half, tables.data_ptr<int32_t>(),
+                                                     lc.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), D, heads,
+                                                     kv_heads, head_dim, block_size, tables.size(1),
+                                                     static_cast<float>(scale)}));
   return out;
 }
