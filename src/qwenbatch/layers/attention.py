@@ -205,7 +205,7 @@ class KernelAttentionMetadata(TorchAttentionMetadata):
         return cls(base.slot_mapping, base.prefills, base.num_decodes, None, None, tables, lens)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        # Built where the CPU has AVX512-BF16; 2.2-3.8x SDPA's flash kernel on the default model's shapes
+        # Built where the CPU has AVX512-BF16; 2.5-3.6x SDPA's flash kernel on the default model's shapes
         # (benchmarks/prefill_attention_micro.py).
         ops = kernels()
         if (
