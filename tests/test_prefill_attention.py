@@ -99,9 +99,20 @@ def test_a_scale_that_is_not_positive_is_refused(scale):
         kernels().prefill_attention(q, k, k, scale)
 
 
-def test_kernel_metadata_runs_bf16_prefill_chunks_in_the_kernel(monkeypatch):
-    """A step with decodes, a fresh prompt and a chunk after a cached prefix: both prefill spans go to the kernel
-    (no SDPA call for them), and the step's output is the PyTorch path's within bf16 rounding."""
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list[tuple[int, int]]:
+    """(queries, keys) of each prefill_attention call in the test."""
+    calls: list[tuple[int, int]] = []
+    real = kernels().prefill_attention
+    monkeypatch.setattr(
+        kernels(), "prefill_attention", lambda q, k, v, s: calls.append((len(q), len(k))) or real(q, k, v, s)
+    )
+    return calls
+
+
+def test_kernel_metadata_runs_bf16_prefill_chunks_in_the_kernel(kernel_calls):
+    """A step with decodes, a fresh prompt and a chunk after a cached prefix: both prefill spans go to the kernel,
+    and the step's output is the PyTorch path's within bf16 rounding."""
     heads, kv_heads, head_dim, bs = 14, 2, 64, 16
     torch.manual_seed(0)
     cache = torch.randn(2, 40, bs, kv_heads, head_dim, dtype=torch.bfloat16)
@@ -114,18 +125,12 @@ def test_kernel_metadata_runs_bf16_prefill_chunks_in_the_kernel(monkeypatch):
     k = torch.randn(n, kv_heads, head_dim, dtype=torch.bfloat16)
     v = torch.randn(n, kv_heads, head_dim, dtype=torch.bfloat16)
     want = TorchAttentionMetadata.build(layout, torch.device("cpu")).attend(q, k, v, cache.clone(), 0.125)
-
-    calls: list[tuple[int, int]] = []
-    real = kernels().prefill_attention
-    monkeypatch.setattr(
-        kernels(), "prefill_attention", lambda q, k, v, s: calls.append((len(q), len(k))) or real(q, k, v, s)
-    )
     got = KernelAttentionMetadata.build(layout, torch.device("cpu")).attend(q, k, v, cache, 0.125)
-    assert calls == [(50, 50), (37, 300)]
+    assert kernel_calls == [(50, 50), (37, 300)]  # the PyTorch reference made none
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
-def test_a_bf16_engine_prefills_in_the_kernel_and_generates_as_the_pytorch_path(tiny_qwen3, monkeypatch):
+def test_a_bf16_engine_prefills_in_the_kernel_and_generates_as_the_pytorch_path(tiny_qwen3, kernel_calls):
     """tiny_qwen3 has head_dim 32: its bf16 prompts, chunked after a cached prefix, run in the kernel, and greedy
     tokens are the PyTorch path's."""
     from qwenbatch import LLM, SamplingParams
@@ -136,11 +141,6 @@ def test_a_bf16_engine_prefills_in_the_kernel_and_generates_as_the_pytorch_path(
     prompts = [[5, 9, 14, 3, 7], list(range(20, 90)), [8, 30, 6, 17, 2, 11, 4]]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    calls: list[tuple[int, int]] = []
-    real = kernels().prefill_attention
-    monkeypatch.setattr(
-        kernels(), "prefill_attention", lambda q, k, v, s: calls.append((len(q), len(k))) or real(q, k, v, s)
-    )
     got = [o.outputs[0].token_ids for o in fused.generate(prompts, params, use_tqdm=False)]
-    assert any(q_len < k_len for q_len, k_len in calls)  # the 70-token prompt's later chunks
+    assert any(q_len < k_len for q_len, k_len in kernel_calls)  # the 70-token prompt's later chunks
     assert got == want
