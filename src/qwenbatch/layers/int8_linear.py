@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwenbatch.layers.cpu_kernels import kernels
+from qwenbatch.layers.huge_pages import HugePageArena
 from qwenbatch.layers.linear import replace_linears
 
 logger = logging.getLogger(__name__)
@@ -197,12 +198,17 @@ def quantize_linears(model: nn.Module, exact_weight: Callable[[str, int, int], t
 
     count = replace_linears(model, make, keep=lambda linear: not int8_supported(linear))
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    # In the order the layers run, each old copy freed as its new one is made.
+    arena = HugePageArena.for_tensors([t for m in layers for t in (m.packed_weight, m.packed_scales)])
+    for m in layers:
+        m.packed_weight, m.packed_scales = arena.place(m.packed_weight), arena.place(m.packed_scales)
     logger.info(
         "quantized %d linear layers to int8 (%s kernel): %d hold their weights exactly (Q8_0 / Q5_0 blocks), "
-        "%d in 5 bits",
+        "%d in 5 bits; packed weights in one mapping, 2 MiB pages %s",
         count,
         module.isa(),
         sum(m.exact for m in layers),
         sum(m.bits == 5 for m in layers),
+        "requested" if arena.huge_pages else "unavailable",
     )
     return count
