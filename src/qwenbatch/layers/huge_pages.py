@@ -1,10 +1,10 @@
 """Weights that a decode step streams, laid out in one mapping backed by 2 MiB pages.
 
-A batch-1 decode step reads every weight once: 0.5 GB for the default model under int8, ~128,000 pages of
+A batch-1 decode step reads every weight once: 0.43 GB for the default model under int8, ~106,000 pages of
 4 KiB a step. Each page is a TLB miss, and the hardware prefetchers stop at every page boundary. Linux backs
 anonymous memory with transparent huge pages where the process asks (``madvise``, the usual setting and the one
 these machines have; PyTorch's allocator does not ask). Copying the packed weights into one such mapping, in the
-order the layers run, streamed them ~4% faster at one row (BENCHMARKS.md, issue 15).
+order the layers run, made batch-1 decode ~9% faster (BENCHMARKS.md, issue 15).
 """
 
 from __future__ import annotations
