@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import mmap
 import sys
 
 import pytest
@@ -66,7 +68,13 @@ def test_the_mapping_is_advised_for_huge_pages():
     assert arena.huge_pages
     copy = arena.place(torch.ones(HUGE_PAGE_BYTES // 4))
     assert "hg" in vm_flags(copy.data_ptr())
-    assert "hg" not in vm_flags(torch.ones(HUGE_PAGE_BYTES // 4).data_ptr())  # PyTorch's allocator does not ask
+    plain = mmap.mmap(-1, 3 * HUGE_PAGE_BYTES)  # the same kind of mapping, not advised: the flag is the arena's doing
+    try:
+        anchor = ctypes.c_char.from_buffer(plain)
+        assert "hg" not in vm_flags(ctypes.addressof(anchor))
+        del anchor
+    finally:
+        plain.close()
 
 
 @linux_only
