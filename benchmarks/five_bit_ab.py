@@ -1,6 +1,6 @@
-"""Batch-1 decode of the default model with `--quantization int8`, its all-Q5_0 layers in 5 bits (as shipped on
-AVX-512) beside the same engine holding them in 8 bits, alternating in one process; the greedy tokens must be
-the same (the two layouts hold the same values). Never run by CI.
+"""Batch-1 decode of the default model with `--quantization int8`, its all-Q5_0 layers in 5 bits (as shipped
+where the CPU has AVX2 or AVX-512) beside the same engine holding them in 8 bits, alternating in one process;
+the greedy tokens must be the same (the two layouts hold the same values). Never run by CI.
 
     .venv/bin/python benchmarks/five_bit_ab.py --pairs 5
 """
@@ -16,8 +16,8 @@ from qwenbatch import LLM, SamplingParams
 
 
 class EightBitOnly(int8_linear.Int8Linear):
-    def __init__(self, linear, five_bit: bool = False) -> None:
-        super().__init__(linear, five_bit=False)
+    def __init__(self, linear, five_bit: bool = False, *args, **kwargs) -> None:
+        super().__init__(linear, False, *args, **kwargs)
 
 
 def decode(llm: LLM, prompt: list[int]) -> tuple[float, list[int]]:

@@ -108,7 +108,7 @@ def test_quantize_weight_q5_holds_a_q5_0_tensor_exactly_and_rejects_others():
 
 @pytest.mark.parametrize("target", ["native", "avx2", "portable"])
 @pytest.mark.parametrize(("n", "k"), [(16, 32), (80, 96), (48, 896), (160, 64)])
-@pytest.mark.parametrize("m", [1, 3, 9])
+@pytest.mark.parametrize("m", [1, 2, 3, 9])
 def test_5_bit_layout_gives_the_int8_layouts_result(target, n, k, m):
     torch.manual_seed(n + k + m)
     values, scales = q5_0_blocks(n, k)
@@ -238,7 +238,7 @@ def test_engine_keeps_a_q5_0_gguf_exact_in_bfloat16(tiny_qwen2, tmp_path):
     assert int8_layers and all(m.q5_exact and m.exact for m in int8_layers.values())
     # Quantized from the file's float32 values, one layer at a time: the model itself loaded in bfloat16.
     assert all(p.dtype == torch.bfloat16 for p in llm.engine.runner.model.parameters())
-    five_bit = kernels().isa() == "avx512-vnni"
+    five_bit = kernels().isa() != "portable"
     assert all(m.bits == (5 if five_bit else 8) for m in int8_layers.values())
     # The layer computes with the file's blocks, not with a bfloat16 rounding of them.
     layer = int8_layers["model.layers.0.mlp.down_proj"]

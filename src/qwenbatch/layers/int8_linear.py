@@ -10,8 +10,9 @@ Quantization is symmetric, per group of 32 along the input dimension (GGUF's Q8_
 dequantized from Q8_0 or Q5_0 is held exactly; others round to the nearest of 255 levels of their group. The
 weights must come in float32 for that (a bfloat16 copy has already rounded them): the loader re-reads each one
 from the checkpoint as its layer is quantized. A tensor whose every group is a Q5_0 block (the default model's
-gate/up and attention output) is stored in 5 bits where the kernel widens them fast (AVX-512): a batch-1 decode
-step is bound by the bytes it reads.
+gate/up and attention output) is stored in 5 bits where a SIMD kernel widens them (AVX-512 VNNI or AVX2): a
+batch-1 decode step is bound by the bytes it reads, and on AVX2 the 5-bit products also skip the sign trick
+8-bit weights need (BENCHMARKS.md: 1.14-1.22x at one row, 1.15-1.21x at 256, 0.87-0.89x at 4-8 rows).
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def quantize_linears(model: nn.Module, exact_weight: Callable[[str, int, int], t
     narrower dtype. Without it they quantize from the model's own weights.
     """
     module = kernels()  # build before the first layer, so a missing compiler fails fast
-    five_bit = module.isa() == "avx512-vnni"  # elsewhere widening 5 bits costs more than the bytes it saves
+    five_bit = module.isa() != "portable"  # widened in registers by the SIMD kernels; plain loops would pay more
     # By identity, so a tied LM head finds the embedding's name (the only name its weight has).
     param_names = {id(param): name for name, param in model.named_parameters()}
 

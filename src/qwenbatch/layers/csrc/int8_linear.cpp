@@ -121,6 +121,20 @@ inline void widen_q5_tile(const uint8_t* src, int64_t K, uint8_t* dst) {
 #endif
 }
 
+constexpr int64_t kWidenTiles = 2;  // 5-bit tiles widened into a buffer at a time: 28 KB at K = 896
+
+// Runs `kernel(weights, t, te)` (the 8-bit layout's kernel) on 5-bit tiles [t0, t1) from w, widened into
+// `scratch` (kWidenTiles * 16 * K bytes) kWidenTiles at a time: once per call, then read by every row of x.
+template <typename Kernel>
+inline void widened_q5(const uint8_t* w, int64_t K, int64_t t0, int64_t t1, uint8_t* scratch, Kernel kernel) {
+  const int64_t tile_bytes = kTileRows * K * 5 / 8;
+  for (int64_t t = t0; t < t1; t += kWidenTiles) {
+    const int64_t te = std::min(t1, t + kWidenTiles);
+    for (int64_t i = t; i < te; ++i) widen_q5_tile(w + (i - t0) * tile_bytes, K, scratch + (i - t) * kTileRows * K);
+    kernel(scratch, t, te);
+  }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr const char* kIsa = "avx512-vnni";
 
@@ -232,48 +246,108 @@ inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_
   tiles_kernel<false>(xq, M, K, w, s, out, t0, t1);
 }
 
-// The same from 5-bit tiles, widened in registers: each row block widens them again, so for few rows.
+// The same from 5-bit tiles: up to 8 rows of x widened in registers as they stream (each row block widens them
+// again); for more, widened into `scratch` once.
 inline void task_kernel_q5(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
-                           const Output& out, int64_t t0, int64_t t1) {
-  tiles_kernel<true>(xq, M, K, w, s, out, t0, t1);
+                           const Output& out, int64_t t0, int64_t t1, uint8_t* scratch) {
+  if (M <= 8) {
+    tiles_kernel<true>(xq, M, K, w, s, out, t0, t1);
+    return;
+  }
+  widened_q5(w, K, t0, t1, scratch, [&](const uint8_t* wt, int64_t t, int64_t te) {
+    task_kernel(xq, M, K, wt, s, out, t, te);
+  });
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr const char* kIsa = "avx2";
 
-// Without VNNI, llama.cpp's way: vpmaddubsw multiplies unsigned by signed bytes, so feed it |x| and the
-// weight with x's sign; the pair sums (at most 2 * 127 * 127) fit int16. The weight is q = u ^ 0x80.
-template <int MB>
+// Without VNNI, vpmaddubsw multiplies unsigned by signed bytes into int16 pair sums, and vpmaddwd adds the pairs.
+// 8-bit weights go llama.cpp's way: |x| times the weight with x's sign (pair sums at most 2 * 127 * 127 fit int16),
+// the weight being q = u ^ 0x80. 5-bit weights need no signs: u5 = q + 16 is at most 31, so u5 * x pair sums fit
+// (2 * 31 * 127), and the 16 * sum(x) they add is subtracted per group, as the VNNI kernel does with 128.
+enum class Layout {
+  kInt8,     // the 8-bit layout, u = q + 128
+  kQ5,       // the 5-bit layout, widened in registers as it streams
+  kU5Bytes,  // 5-bit tiles widened into a buffer, one u5 byte per weight, in the 8-bit layout's order
+};
+
+// 32 bits to 32 bytes: byte b is 0xFF where bit b is set.
+inline __m256i bits_to_bytes(uint32_t bits) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i select = _mm256_set1_epi64x(0x8040201008040201LL);
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, select), select);
+}
+
+// The weights of two consecutive 4-k chunks (c0 even, c0 + 1) of one tile, w[c][h] holding rows 8h .. 8h + 7:
+// q = u ^ 0x80 from the 8-bit layout, else u5 bytes (loaded, or widened: nibble + 16 where the fifth bit is set).
+template <Layout L>
+inline void load_chunk_pair(const uint8_t* tile, int64_t c0, __m256i (&w)[2][2]) {
+  if constexpr (L == Layout::kQ5) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+    uint32_t fifth[2][2];
+    std::memcpy(fifth, q5_fifth(tile, c0), 16);  // the two chunks' 8 bytes are adjacent
+    for (int h = 0; h < 2; ++h) {
+      const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q5_nibbles(tile, c0) + 32 * h));
+      const __m256i lo = _mm256_and_si256(nib, low4), hi = _mm256_and_si256(_mm256_srli_epi16(nib, 4), low4);
+      w[0][h] = _mm256_or_si256(lo, _mm256_and_si256(bits_to_bytes(fifth[0][h]), sixteen));
+      w[1][h] = _mm256_or_si256(hi, _mm256_and_si256(bits_to_bytes(fifth[1][h]), sixteen));
+    }
+  } else {
+    for (int c = 0; c < 2; ++c)
+      for (int h = 0; h < 2; ++h) {
+        w[c][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (c0 + c) * 64 + 32 * h));
+        if constexpr (L == Layout::kInt8) w[c][h] = _mm256_xor_si256(w[c][h], _mm256_set1_epi8(static_cast<char>(0x80)));
+      }
+  }
+}
+
+// MB rows of x against one tile (16 weight rows, the first at column n0), all groups, into out.
+template <Layout L, int MB>
 inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8_t* w, const c10::Half* s,
                         const Output& out, int64_t n0) {
   const int64_t G = K / kGroup;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MB][2];
   for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     __m256i dot[MB][2];
     for (int m = 0; m < MB; ++m) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
-    for (int64_t j = 0; j < kGroup / 4; ++j) {
-      const int64_t k = g * kGroup + j * 4;
-      const uint8_t* wk = w + k * kTileRows;
-      const __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk)), flip);
-      const __m256i q1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 32)), flip);
+    for (int64_t j = 0; j < kGroup / 4; j += 2) {
+      const int64_t c0 = g * (kGroup / 4) + j;  // chunk c covers k = 4c .. 4c + 3
+      __m256i wc[2][2];
+      load_chunk_pair<L>(w, c0, wc);
       for (int m = 0; m < MB; ++m) {
-        int32_t four;
-        std::memcpy(&four, xq.q.data() + (m0 + m) * K + k, 4);
-        const __m256i xb = _mm256_set1_epi32(four);
-        const __m256i ax = _mm256_sign_epi8(xb, xb);
-        const __m256i p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(q0, xb));
-        const __m256i p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(q1, xb));
-        dot[m][0] = _mm256_add_epi32(dot[m][0], _mm256_madd_epi16(p0, ones));
-        dot[m][1] = _mm256_add_epi32(dot[m][1], _mm256_madd_epi16(p1, ones));
+        int32_t four[2];
+        std::memcpy(four, xq.q.data() + (m0 + m) * K + c0 * 4, 8);
+        for (int c = 0; c < 2; ++c) {
+          const __m256i xb = _mm256_set1_epi32(four[c]);
+          __m256i p0, p1;
+          if constexpr (L == Layout::kInt8) {
+            const __m256i ax = _mm256_sign_epi8(xb, xb);
+            p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wc[c][0], xb));
+            p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wc[c][1], xb));
+          } else {
+            p0 = _mm256_maddubs_epi16(wc[c][0], xb);
+            p1 = _mm256_maddubs_epi16(wc[c][1], xb);
+          }
+          dot[m][0] = _mm256_add_epi32(dot[m][0], _mm256_madd_epi16(p0, ones));
+          dot[m][1] = _mm256_add_epi32(dot[m][1], _mm256_madd_epi16(p1, ones));
+        }
       }
     }
     const c10::Half* sg = s + g * kTileRows;
     const __m256 ws0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg)));
     const __m256 ws1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 8)));
     for (int m = 0; m < MB; ++m) {
-      const __m256 xs = _mm256_set1_ps(xq.scale[(m0 + m) * G + g]);
+      const int64_t mg = (m0 + m) * G + g;
+      if constexpr (L != Layout::kInt8) {
+        const __m256i offset = _mm256_set1_epi32(xq.bias[mg] / 8);  // 16 * sum(q_x) = (128 * sum(q_x)) / 8
+        dot[m][0] = _mm256_sub_epi32(dot[m][0], offset);
+        dot[m][1] = _mm256_sub_epi32(dot[m][1], offset);
+      }
+      const __m256 xs = _mm256_set1_ps(xq.scale[mg]);
       acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][0]), _mm256_mul_ps(ws0, xs), acc[m][0]);
       acc[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][1]), _mm256_mul_ps(ws1, xs), acc[m][1]);
     }
@@ -286,15 +360,43 @@ inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8
   }
 }
 
-inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
-                        const Output& out, int64_t t0, int64_t t1) {
+template <Layout L>
+inline void tiles_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
+                         const Output& out, int64_t t0, int64_t t1) {
   const int64_t G = K / kGroup;
+  const int64_t tile_bytes = kTileRows * K * (L == Layout::kQ5 ? 5 : 8) / 8;
   for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* wt = w + (t - t0) * kTileRows * K;
+    const uint8_t* wt = w + (t - t0) * tile_bytes;
     const c10::Half* st = s + t * G * kTileRows;
     int64_t m = 0;
-    for (; m + 2 <= M; m += 2) tile_kernel<2>(xq, m, K, wt, st, out, t * kTileRows);
-    for (; m < M; ++m) tile_kernel<1>(xq, m, K, wt, st, out, t * kTileRows);
+    for (; m + 2 <= M; m += 2) tile_kernel<L, 2>(xq, m, K, wt, st, out, t * kTileRows);
+    for (; m < M; ++m) tile_kernel<L, 1>(xq, m, K, wt, st, out, t * kTileRows);
+  }
+}
+
+inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
+                        const Output& out, int64_t t0, int64_t t1) {
+  tiles_kernel<Layout::kInt8>(xq, M, K, w, s, out, t0, t1);
+}
+
+// 5-bit tiles: for one or two rows of x widened in registers as they stream (each pair of rows widens them again);
+// for more, each tile once into `scratch` as u5 bytes (the VNNI kernel's u = q + 128 would need the sign trick
+// again), which every row then reads.
+inline void task_kernel_q5(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
+                           const Output& out, int64_t t0, int64_t t1, uint8_t* scratch) {
+  if (M <= 2) {
+    tiles_kernel<Layout::kQ5>(xq, M, K, w, s, out, t0, t1);
+    return;
+  }
+  const int64_t tile_bytes = kTileRows * K * 5 / 8;
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t c = 0; c < K / 4; c += 2) {
+      __m256i u5[2][2];
+      load_chunk_pair<Layout::kQ5>(w + (t - t0) * tile_bytes, c, u5);
+      for (int i = 0; i < 2; ++i)
+        for (int h = 0; h < 2; ++h) _mm256_storeu_si256(reinterpret_cast<__m256i*>(scratch + (c + i) * 64 + 32 * h), u5[i][h]);
+    }
+    tiles_kernel<Layout::kU5Bytes>(xq, M, K, scratch, s, out, t, t + 1);
   }
 }
 #else
@@ -323,6 +425,13 @@ inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_
       out.store16(m, t * kTileRows, acc);
     }
   }
+}
+
+inline void task_kernel_q5(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
+                           const Output& out, int64_t t0, int64_t t1, uint8_t* scratch) {
+  widened_q5(w, K, t0, t1, scratch, [&](const uint8_t* wt, int64_t t, int64_t te) {
+    task_kernel(xq, M, K, wt, s, out, t, te);
+  });
 }
 #endif
 
@@ -363,28 +472,13 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   const int64_t tiles = N / kTileRows;
   const int64_t tasks = (tiles + kTilesPerTask - 1) / kTilesPerTask;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    // Up to this many rows the 5-bit weights are widened in registers as they stream by; above, once into
-    // a buffer that all rows then read.
-    constexpr int64_t kFusedQ5MaxRows = 8;
-    constexpr int64_t kWidenTiles = 2;  // 5-bit tiles widened at a time: 28 KB at K = 896
-    std::vector<uint8_t> widened(bits == 5 ? kWidenTiles * kTileRows * K : 0);
+    std::vector<uint8_t> scratch(bits == 5 ? kWidenTiles * kTileRows * K : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t0 = task * kTilesPerTask, t1 = std::min(tiles, t0 + kTilesPerTask);
-      if (bits == 8) {
+      if (bits == 8)
         task_kernel(xq, M, K, wp + t0 * tile_bytes, sp, out, t0, t1);
-        continue;
-      }
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      if (M <= kFusedQ5MaxRows) {
-        task_kernel_q5(xq, M, K, wp + t0 * tile_bytes, sp, out, t0, t1);
-        continue;
-      }
-#endif
-      for (int64_t t = t0; t < t1; t += kWidenTiles) {  // widened once per call, then read by every row of x
-        const int64_t te = std::min(t1, t + kWidenTiles);
-        for (int64_t i = t; i < te; ++i) widen_q5_tile(wp + i * tile_bytes, K, widened.data() + (i - t) * kTileRows * K);
-        task_kernel(xq, M, K, widened.data(), sp, out, t, te);
-      }
+      else
+        task_kernel_q5(xq, M, K, wp + t0 * tile_bytes, sp, out, t0, t1, scratch.data());
     }
   });
   return y;
