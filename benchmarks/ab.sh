@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One `qwenbatch bench throughput` workload on an older commit and on the working tree, alternating, ours only:
-# the machine drifts by ~10% between processes, so a change is judged by the ratio of side-by-side runs.
+# the machine drifts by ~10% between processes, so a change is judged by the ratio of side-by-side runs. Odd runs
+# take the before side first, even runs the after side: on a host whose second run of a pair tends to be slower,
+# a fixed order would read as a change.
 # Usage: benchmarks/ab.sh BEFORE_COMMIT RUNS NAME [bench throughput options...]
 #   e.g. benchmarks/ab.sh 677e200 5 decode64 --workload random --num-prompts 64 --input-len 256 --output-len 64 \
 #        --quantization int8
@@ -18,7 +20,8 @@ tree=$work/before
 git worktree add --detach "$tree" "$before" >/dev/null
 trap 'git worktree remove --force "$tree"' EXIT
 for i in $(seq "$runs"); do
-  for side in before after; do
+  order="before after"; [ $((i % 2)) = 0 ] && order="after before"
+  for side in $order; do
     src=$PWD/src; [ "$side" = before ] && src=$tree/src
     log=$work/$side-$i.log
     PYTHONPATH=$src .venv/bin/python -m qwenbatch.cli bench throughput "$@" \

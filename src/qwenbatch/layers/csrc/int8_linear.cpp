@@ -123,14 +123,15 @@ inline void widen_q5_tile(const uint8_t* src, int64_t K, uint8_t* dst) {
 
 constexpr int64_t kWidenTiles = 2;  // 5-bit tiles widened into a buffer at a time: 28 KB at K = 896
 
-// Runs `kernel(weights, t, te)` (the 8-bit layout's kernel) on 5-bit tiles [t0, t1) from w, widened into
+// Runs `kernel(weights, t, te)` on 5-bit tiles [t0, t1) from w, each widened by `widen(src, K, dst)` into
 // `scratch` (kWidenTiles * 16 * K bytes) kWidenTiles at a time: once per call, then read by every row of x.
-template <typename Kernel>
-inline void widened_q5(const uint8_t* w, int64_t K, int64_t t0, int64_t t1, uint8_t* scratch, Kernel kernel) {
+template <typename Kernel, typename Widen>
+inline void widened_q5(const uint8_t* w, int64_t K, int64_t t0, int64_t t1, uint8_t* scratch, Kernel kernel,
+                       Widen widen) {
   const int64_t tile_bytes = kTileRows * K * 5 / 8;
   for (int64_t t = t0; t < t1; t += kWidenTiles) {
     const int64_t te = std::min(t1, t + kWidenTiles);
-    for (int64_t i = t; i < te; ++i) widen_q5_tile(w + (i - t0) * tile_bytes, K, scratch + (i - t) * kTileRows * K);
+    for (int64_t i = t; i < te; ++i) widen(w + (i - t0) * tile_bytes, K, scratch + (i - t) * kTileRows * K);
     kernel(scratch, t, te);
   }
 }
@@ -254,9 +255,9 @@ inline void task_kernel_q5(const QuantizedX& xq, int64_t M, int64_t K, const uin
     tiles_kernel<true>(xq, M, K, w, s, out, t0, t1);
     return;
   }
-  widened_q5(w, K, t0, t1, scratch, [&](const uint8_t* wt, int64_t t, int64_t te) {
-    task_kernel(xq, M, K, wt, s, out, t, te);
-  });
+  widened_q5(
+      w, K, t0, t1, scratch,
+      [&](const uint8_t* wt, int64_t t, int64_t te) { task_kernel(xq, M, K, wt, s, out, t, te); }, widen_q5_tile);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr const char* kIsa = "avx2";
@@ -388,16 +389,18 @@ inline void task_kernel_q5(const QuantizedX& xq, int64_t M, int64_t K, const uin
     tiles_kernel<Layout::kQ5>(xq, M, K, w, s, out, t0, t1);
     return;
   }
-  const int64_t tile_bytes = kTileRows * K * 5 / 8;
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t c = 0; c < K / 4; c += 2) {
-      __m256i u5[2][2];
-      load_chunk_pair<Layout::kQ5>(w + (t - t0) * tile_bytes, c, u5);
-      for (int i = 0; i < 2; ++i)
-        for (int h = 0; h < 2; ++h) _mm256_storeu_si256(reinterpret_cast<__m256i*>(scratch + (c + i) * 64 + 32 * h), u5[i][h]);
-    }
-    tiles_kernel<Layout::kU5Bytes>(xq, M, K, scratch, s, out, t, t + 1);
-  }
+  widened_q5(
+      w, K, t0, t1, scratch,
+      [&](const uint8_t* wt, int64_t t, int64_t te) { tiles_kernel<Layout::kU5Bytes>(xq, M, K, wt, s, out, t, te); },
+      [](const uint8_t* src, int64_t K, uint8_t* dst) {
+        for (int64_t c = 0; c < K / 4; c += 2) {
+          __m256i u5[2][2];
+          load_chunk_pair<Layout::kQ5>(src, c, u5);
+          for (int i = 0; i < 2; ++i)
+            for (int h = 0; h < 2; ++h)
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (c + i) * 64 + 32 * h), u5[i][h]);
+        }
+      });
 }
 #else
 constexpr const char* kIsa = "portable";
@@ -429,9 +432,9 @@ inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_
 
 inline void task_kernel_q5(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
                            const Output& out, int64_t t0, int64_t t1, uint8_t* scratch) {
-  widened_q5(w, K, t0, t1, scratch, [&](const uint8_t* wt, int64_t t, int64_t te) {
-    task_kernel(xq, M, K, wt, s, out, t, te);
-  });
+  widened_q5(
+      w, K, t0, t1, scratch,
+      [&](const uint8_t* wt, int64_t t, int64_t te) { task_kernel(xq, M, K, wt, s, out, t, te); }, widen_q5_tile);
 }
 #endif
 
