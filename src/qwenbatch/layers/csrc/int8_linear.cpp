@@ -313,8 +313,8 @@ inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8
   __m256 acc[MB][2];
   for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m256i dot[MB][2];
-    for (int m = 0; m < MB; ++m) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
+    __m256i dot[MB][2], sum16[MB][2];
+    for (int m = 0; m < MB; ++m) dot[m][0] = dot[m][1] = sum16[m][0] = sum16[m][1] = _mm256_setzero_si256();
     for (int64_t j = 0; j < kGroup / 4; j += 2) {
       const int64_t c0 = g * (kGroup / 4) + j;  // chunk c covers k = 4c .. 4c + 3
       __m256i wc[2][2];
@@ -324,17 +324,28 @@ inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8
         std::memcpy(four, xq.q.data() + (m0 + m) * K + c0 * 4, 8);
         for (int c = 0; c < 2; ++c) {
           const __m256i xb = _mm256_set1_epi32(four[c]);
-          __m256i p0, p1;
           if constexpr (L == Layout::kInt8) {
             const __m256i ax = _mm256_sign_epi8(xb, xb);
-            p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wc[c][0], xb));
-            p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wc[c][1], xb));
+            const __m256i p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wc[c][0], xb));
+            const __m256i p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wc[c][1], xb));
+            dot[m][0] = _mm256_add_epi32(dot[m][0], _mm256_madd_epi16(p0, ones));
+            dot[m][1] = _mm256_add_epi32(dot[m][1], _mm256_madd_epi16(p1, ones));
           } else {
-            p0 = _mm256_maddubs_epi16(wc[c][0], xb);
-            p1 = _mm256_maddubs_epi16(wc[c][1], xb);
+            sum16[m][0] = _mm256_add_epi16(sum16[m][0], _mm256_maddubs_epi16(wc[c][0], xb));
+            sum16[m][1] = _mm256_add_epi16(sum16[m][1], _mm256_maddubs_epi16(wc[c][1], xb));
           }
-          dot[m][0] = _mm256_add_epi32(dot[m][0], _mm256_madd_epi16(p0, ones));
-          dot[m][1] = _mm256_add_epi32(dot[m][1], _mm256_madd_epi16(p1, ones));
+        }
+      }
+      // u5 <= 31 and |q_x| <= 127 bound a pair sum by 7,874, so four chunks' sums fit int16 (31,496) and one
+      // vpmaddwd widens four chunks rather than one: the multiply port, which both instructions use, bounds the
+      // kernel from a few rows of x up.
+      if constexpr (L != Layout::kInt8) {
+        if (j % 4 == 2) {
+          for (int m = 0; m < MB; ++m)
+            for (int h = 0; h < 2; ++h) {
+              dot[m][h] = _mm256_add_epi32(dot[m][h], _mm256_madd_epi16(sum16[m][h], ones));
+              sum16[m][h] = _mm256_setzero_si256();
+            }
         }
       }
     }
