@@ -8,15 +8,18 @@ from torch import nn
 
 from qwenbatch import LLM, SamplingParams
 from qwenbatch.config import EngineConfig
+from qwenbatch.layers.activation import SiluAndMul
 from qwenbatch.layers.cpu_kernels import kernels
 from qwenbatch.layers.int8_linear import (
     GROUP_SIZE,
     Int8Linear,
     dequantize,
     exact_groups,
+    interleave_gate_up,
     is_exact,
     pack,
     pack_q5,
+    quantize_linears,
     quantize_weight,
     quantize_weight_q5,
 )
@@ -118,6 +121,46 @@ def test_5_bit_layout_gives_the_int8_layouts_result(target, n, k, m):
     assert torch.equal(five, eight)
     want = reference(x, values, scales)
     torch.testing.assert_close(five.double(), want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("target", ["native", "avx2", "portable"])
+@pytest.mark.parametrize("bits", [8, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 3, 9])
+def test_fused_silu_and_mul_equals_the_unfused_layer_bit_for_bit(target, bits, dtype, m):
+    # A gated MLP's gate_up with SiLU(gate) * up applied as the kernel stores each tile: the same values, in
+    # every dtype, as the plain product followed by the silu_and_mul kernel.
+    torch.manual_seed(bits * 100 + m)
+    values, scales = q5_0_blocks(96, 64)  # 48 gate rows, then 48 up rows
+    layout = pack_q5 if bits == 5 else pack
+    ops = kernels(target)
+    x, bias = (torch.randn(m, 64) * 2).to(dtype), torch.randn(96)
+    unfused = ops.silu_and_mul(ops.int8_linear(x, *layout(values, scales), bias, 96, bits))
+    order = interleave_gate_up(96)
+    fused = ops.int8_linear(x, *layout(values[order], scales[order]), bias[order], 96, bits, True)
+    assert fused.shape == (m, 48) and fused.dtype == dtype
+    assert torch.equal(fused, unfused)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(64, 128, bias=False)
+        self.down_proj = nn.Linear(64, 64, bias=False)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+def test_quantize_linears_fuses_silu_and_mul_into_a_gated_mlps_gate_up():
+    torch.manual_seed(6)
+    mlp, x = GatedMLP(), torch.randn(5, 64)
+    want = Int8Linear(mlp.down_proj)(kernels().silu_and_mul(Int8Linear(mlp.gate_up_proj)(x)))
+    assert quantize_linears(mlp) == 2
+    assert mlp.gate_up_proj.silu_and_mul and not mlp.down_proj.silu_and_mul
+    assert isinstance(mlp.act_fn, nn.Identity)
+    assert torch.equal(mlp(x), want)
 
 
 def test_int8_linear_stores_q5_0_weights_in_5_bits_only_where_asked():

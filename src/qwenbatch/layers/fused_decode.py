@@ -18,7 +18,13 @@ from qwenbatch.layers.rotary import Rope
 
 def _int8_weight(linear: Int8Linear):
     return kernels().Int8Weight(
-        linear.packed_weight, linear.packed_scales, linear.bias, linear.padded_out, linear.out_features, linear.bits
+        linear.packed_weight,
+        linear.packed_scales,
+        linear.bias,
+        linear.padded_out,
+        linear.out_features,
+        linear.bits,
+        linear.silu_and_mul,
     )
 
 

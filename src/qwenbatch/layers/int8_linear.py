@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qwenbatch.layers.activation import SiluAndMul
 from qwenbatch.layers.cpu_kernels import kernels
 from qwenbatch.layers.huge_pages import HugePageArena
 from qwenbatch.layers.linear import replace_linears
@@ -116,9 +117,17 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (values.float().reshape(n, -1, GROUP_SIZE) * scales.float().unsqueeze(-1)).reshape(n, k)
 
 
+def interleave_gate_up(n: int) -> torch.Tensor:
+    """The row order of a gated MLP's gate_up ([gate; up], ``n`` rows) that the kernel's SiLU(gate) * up takes:
+    each tile of 16 rows holds 8 rows of the gate, then the same 8 of up."""
+    return torch.arange(n).reshape(2, n // TILE_ROWS, TILE_ROWS // 2).transpose(0, 1).reshape(-1)
+
+
 class Int8Linear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` held as packed int8, or 5-bit where it is Q5_0-exact and ``five_bit``
-    (rows padded to a multiple of 16)."""
+    (rows padded to a multiple of 16). With ``silu_and_mul``, ``linear`` is a gated MLP's gate_up ([gate; up],
+    a multiple of 16 rows) and the layer returns SiLU(gate) * up, computed as each tile's results are stored:
+    SiluAndMul's rounding, without its pass over the [M, 2 * intermediate] result."""
 
     def __init__(
         self,
@@ -126,12 +135,17 @@ class Int8Linear(nn.Module):
         five_bit: bool = False,
         read_rows: Callable[[int, int], torch.Tensor] | None = None,
         bias: torch.Tensor | None = None,
+        silu_and_mul: bool = False,
     ) -> None:
         """``read_rows(start, stop)`` and ``bias``: those rows of ``linear``'s weight, and its bias, as the
         checkpoint holds them (float32) when ``linear`` holds a rounded copy; by default ``linear``'s own."""
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.padded_out = -(-self.out_features // TILE_ROWS) * TILE_ROWS
+        if silu_and_mul and linear.out_features % TILE_ROWS:
+            raise ValueError(f"silu_and_mul needs a multiple of {TILE_ROWS} rows, not {linear.out_features}")
+        self.silu_and_mul = silu_and_mul
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features // 2 if silu_and_mul else linear.out_features
+        self.padded_out = -(-linear.out_features // TILE_ROWS) * TILE_ROWS  # rows as packed
         if read_rows is None:
             read_rows = lambda start, stop: linear.weight.detach()[start:stop]  # noqa: E731
         self._kernels = kernels()
@@ -140,12 +154,15 @@ class Int8Linear(nn.Module):
         quantized, self.q5_exact, self.exact = [], True, True
         for start in range(0, self.padded_out, _ROWS_PER_SLICE):
             stop = min(start + _ROWS_PER_SLICE, self.padded_out)
-            weight = read_rows(start, min(stop, self.out_features)).float()
+            weight = read_rows(start, min(stop, linear.out_features)).float()
             weight = F.pad(weight, (0, 0, 0, stop - start - weight.shape[0]))  # rows up to a multiple of 16
             values, scales, q5, exact = self._kernels.quantize_groups(weight)
             self.q5_exact &= bool(q5.all())
             self.exact &= bool(exact.all())
             quantized.append((values, scales))
+        if silu_and_mul:
+            order = interleave_gate_up(self.padded_out)
+            quantized = [(torch.cat([v for v, _ in quantized])[order], torch.cat([sc for _, sc in quantized])[order])]
         self.bits = 5 if five_bit and self.q5_exact else 8
         parts = [(pack_q5 if self.bits == 5 else pack)(values, scales) for values, scales in quantized]
         self.packed_weight = torch.cat([w for w, _ in parts])
@@ -153,23 +170,25 @@ class Int8Linear(nn.Module):
         if bias is None and linear.bias is not None:
             bias = linear.bias.detach()
         bias = None if bias is None else bias.float()
-        if bias is not None and self.padded_out != self.out_features:
-            bias = F.pad(bias, (0, self.padded_out - self.out_features))
+        if bias is not None and self.padded_out != linear.out_features:
+            bias = F.pad(bias, (0, self.padded_out - linear.out_features))
+        if bias is not None and silu_and_mul:
+            bias = bias[interleave_gate_up(self.padded_out)]
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         y = self._kernels.int8_linear(
-            rows, self.packed_weight, self.packed_scales, self.bias, self.padded_out, self.bits
+            rows, self.packed_weight, self.packed_scales, self.bias, self.padded_out, self.bits, self.silu_and_mul
         )
-        if self.padded_out != self.out_features:
+        if y.shape[1] != self.out_features:
             y = y[:, : self.out_features]
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"bits={self.bits}"
+            f"bits={self.bits}, silu_and_mul={self.silu_and_mul}"
         )
 
 
@@ -178,8 +197,21 @@ def int8_supported(linear: nn.Linear) -> bool:
     return linear.in_features % GROUP_SIZE == 0
 
 
+def _gated_mlps(model: nn.Module) -> list[nn.Module]:
+    """The MLPs whose ``act_fn`` is SiLU(gate) * up of a ``gate_up_proj`` the kernel can fuse it into."""
+    return [
+        m
+        for m in model.modules()
+        if isinstance(getattr(m, "act_fn", None), SiluAndMul)
+        and isinstance(getattr(m, "gate_up_proj", None), nn.Linear)
+        and int8_supported(m.gate_up_proj)
+        and m.gate_up_proj.out_features % TILE_ROWS == 0
+    ]
+
+
 def quantize_linears(model: nn.Module, exact_weight: Callable[[str, int, int], torch.Tensor] | None = None) -> int:
-    """Replace every ``nn.Linear`` of ``model`` the kernel supports by an Int8Linear; returns how many.
+    """Replace every ``nn.Linear`` of ``model`` the kernel supports by an Int8Linear; returns how many. A gated
+    MLP's gate_up computes its SiLU(gate) * up too, and the MLP's ``act_fn`` becomes the identity.
 
     ``exact_weight(name, start, stop)`` gives rows of a parameter of ``model`` (by its name) as the checkpoint
     holds them, in float32: the layers quantize from them, a slice at a time, when the model was loaded in a
@@ -189,15 +221,20 @@ def quantize_linears(model: nn.Module, exact_weight: Callable[[str, int, int], t
     five_bit = module.isa() != "portable"  # widened in registers by the SIMD kernels; plain loops would pay more
     # By identity, so a tied LM head finds the embedding's name (the only name its weight has).
     param_names = {id(param): name for name, param in model.named_parameters()}
+    gated_mlps = _gated_mlps(model)
+    gated = {id(m.gate_up_proj) for m in gated_mlps}
 
     def make(linear: nn.Linear) -> Int8Linear:
+        fused = id(linear) in gated
         if exact_weight is None:
-            return Int8Linear(linear, five_bit)
+            return Int8Linear(linear, five_bit, silu_and_mul=fused)
         name = param_names[id(linear.weight)]
         bias = None if linear.bias is None else exact_weight(param_names[id(linear.bias)], 0, linear.out_features)
-        return Int8Linear(linear, five_bit, lambda start, stop: exact_weight(name, start, stop), bias)
+        return Int8Linear(linear, five_bit, lambda start, stop: exact_weight(name, start, stop), bias, fused)
 
     count = replace_linears(model, make, keep=lambda linear: not int8_supported(linear))
+    for mlp in gated_mlps:
+        mlp.act_fn = nn.Identity()
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     # In the order the layers run, each old copy freed as its new one is made.
     arena = HugePageArena.for_tensors([t for m in layers for t in (m.packed_weight, m.packed_scales)])

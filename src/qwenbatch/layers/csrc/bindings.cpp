@@ -6,7 +6,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The long calls release the GIL: a server's event loop shares the process with the engine's thread.
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("int8_linear", &int8_linear, "y = x . W^T + bias, W packed in 8 or 5 bits with a scale per 32 weights", no_gil,
-        py::arg("x"), py::arg("w"), py::arg("scales"), py::arg("bias"), py::arg("n"), py::arg("bits") = 8);
+        py::arg("x"), py::arg("w"), py::arg("scales"), py::arg("bias"), py::arg("n"), py::arg("bits") = 8,
+        py::arg("silu_and_mul") = false);
   m.def("quantize_groups", &quantize_groups,
         "per group of 32: Q5_0's rule where exact, else Q8_0's -> (int8 values, float16 scales, q5, exact)");
   m.def("isa", &isa, "the instruction set int8_linear was built for");
@@ -21,9 +22,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_tokens", &greedy_tokens, "each row's argmax and whether it holds an inf or a NaN, in one pass");
   // module_local: the tests load builds for several targets into one process.
   py::class_<Int8Weight>(m, "Int8Weight", py::module_local(), "a linear layer's weights in int8_linear's packed format")
-      .def(py::init<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t>(),
+      .def(py::init<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, bool>(),
            py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("n"), py::arg("out_features"),
-           py::arg("bits"));
+           py::arg("bits"), py::arg("silu_and_mul") = false);
   py::class_<DecodeLayerWeights>(m, "DecodeLayerWeights", py::module_local(),
                                  "one decoder layer with int8 linears, for decode_layer")
       .def(py::init<>())

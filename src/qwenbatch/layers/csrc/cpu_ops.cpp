@@ -47,12 +47,7 @@ void silu_and_mul_impl(const T* x, T* y, int64_t rows, int64_t n) {
       const T* up = gate + n;
       T* yr = y + r * n;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
-        const float g = to_f32(gate[i]);
-        // SiLU rounded to the storage dtype first, as F.silu(gate) * up does.
-        const float s = to_f32(from_f32<T>(g / (1.f + vec_exp(-g))));
-        yr[i] = from_f32<T>(s * to_f32(up[i]));
-      }
+      for (int64_t i = 0; i < n; ++i) yr[i] = qb::silu_times<T>(to_f32(gate[i]), to_f32(up[i]));
     }
   });
 }

@@ -49,7 +49,8 @@ torch::Tensor decode_layer(const torch::Tensor& x, const DecodeLayerWeights& lay
   const torch::Tensor attn = paged_decode_attention(q, kv_cache, block_tables, lens, layer.scale);
   torch::Tensor h = layer.o(attn.view({D, q_size}));
   h.add_(x);  // the residual adds: PyTorch's, in place
-  torch::Tensor out = layer.down(silu_and_mul(layer.gate_up(rms_norm(h, layer.post_attention_norm, layer.eps))));
+  const torch::Tensor gate_up = layer.gate_up(rms_norm(h, layer.post_attention_norm, layer.eps));
+  torch::Tensor out = layer.down(layer.gate_up.silu_and_mul ? gate_up : silu_and_mul(gate_up));
   out.add_(h);
   return out;
 }

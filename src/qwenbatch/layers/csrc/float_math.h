@@ -61,6 +61,14 @@ inline c10::BFloat16 from_f32(float f) {
   return c10::BFloat16(static_cast<uint16_t>(f != f ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
 }
 
+// SiLU(gate) * up in T as F.silu(gate) * up computes it: the SiLU rounded to T before the product. gate and up
+// are T values, widened.
+template <typename T>
+inline T silu_times(float gate, float up) {
+  const float silu = to_f32(from_f32<T>(gate / (1.f + vec_exp(-gate))));
+  return from_f32<T>(silu * up);
+}
+
 }  // namespace qb
 
 #define QB_DISPATCH(TYPE, NAME, ...)                                                      \

@@ -17,12 +17,15 @@
 // above as they are used. Per tile of 16 rows and group of 32 k (8 chunks of 4 k), 320 bytes: the low nibbles
 // of u5 = q + 16, one 64-byte block per two consecutive chunks (the first in the low nibble), then the 8
 // chunks' fifth bits, 64 bits little-endian each, bit b for byte b of the chunk: one stream of 10 * K bytes.
+#include "float_math.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -47,17 +50,30 @@ struct QuantizedX {
   std::vector<int32_t> bias;  // [M, G]: 128 * sum of q over the group
 };
 
-// Where results go: row m, columns [n, n + 16), plus the bias, converted to the output's dtype.
+// Where results go: row m, columns [n, n + 16), plus the bias, converted to the output's dtype; or, for a gated
+// MLP's gate_up (`silu_and_mul`, each tile's rows 8 of the gate then the same 8 of up), SiLU(gate) * up into
+// columns [n / 2, n / 2 + 8), rounded as the unfused layer rounds (gate and up to the dtype, then as
+// silu_and_mul does). Fused, the [M, N] intermediate is never written nor read back.
 struct Output {
   void* data;
   torch::ScalarType type;  // float32, bfloat16 or float16
   int64_t ld;
   const float* bias;  // [N] or nullptr
+  bool silu_and_mul;
 
   template <typename T>
   inline void store_as(int64_t m, int64_t n, const float* v) const {
-    T* p = static_cast<T*>(data) + m * ld + n;
-    for (int64_t r = 0; r < kTileRows; ++r) p[r] = static_cast<T>(v[r] + (bias ? bias[n + r] : 0.f));
+    T rounded[kTileRows];
+    for (int64_t r = 0; r < kTileRows; ++r) rounded[r] = static_cast<T>(v[r] + (bias ? bias[n + r] : 0.f));
+    if (!silu_and_mul) {
+      std::memcpy(static_cast<T*>(data) + m * ld + n, rounded, sizeof(rounded));
+      return;
+    }
+    T* p = static_cast<T*>(data) + m * ld + n / 2;
+    constexpr int64_t kHalf = kTileRows / 2;
+#pragma omp simd
+    for (int64_t r = 0; r < kHalf; ++r)
+      p[r] = qb::silu_times<T>(qb::to_f32(rounded[r]), qb::to_f32(rounded[r + kHalf]));
   }
 
   inline void store16(int64_t m, int64_t n, const float* v) const {
@@ -452,9 +468,10 @@ inline void task_kernel_q5(const QuantizedX& xq, int64_t M, int64_t K, const uin
 }  // namespace
 
 // x: [M, K] float32, bfloat16 or float16; w: packed uint8, N * K bytes (bits = 8) or N * K * 5 / 8 (bits = 5);
-// scales: float16 [N * K / 32]; bias: [N] or None. Returns [M, N] in x's dtype.
+// scales: float16 [N * K / 32]; bias: [N] or None. Returns [M, N] in x's dtype; with silu_and_mul, [M, N / 2]:
+// SiLU(gate) * up of a gated MLP packed with its gate and up rows interleaved 8 by 8.
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
-                          const c10::optional<torch::Tensor>& bias, int64_t N, int64_t bits) {
+                          const c10::optional<torch::Tensor>& bias, int64_t N, int64_t bits, bool silu_and_mul) {
   TORCH_CHECK(x.dim() == 2, "int8_linear: x must be 2-D");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kGroup == 0 && N % kTileRows == 0, "int8_linear: K must divide by 32 and N by 16");
@@ -479,8 +496,10 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
     bias_f = bias->to(torch::kFloat32).contiguous();
     TORCH_CHECK(bias_f.numel() == N, "int8_linear: bias must have N elements");
   }
-  torch::Tensor y = torch::empty({M, N}, x.options());
-  const Output out{y.data_ptr(), x.scalar_type(), N, bias.has_value() ? bias_f.data_ptr<float>() : nullptr};
+  const int64_t width = silu_and_mul ? N / 2 : N;
+  torch::Tensor y = torch::empty({M, width}, x.options());
+  const Output out{y.data_ptr(), x.scalar_type(), width, bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
+                   silu_and_mul};
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const c10::Half* sp = scales.data_ptr<c10::Half>();
   const int64_t tiles = N / kTileRows;

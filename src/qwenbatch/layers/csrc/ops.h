@@ -6,7 +6,7 @@
 #include <tuple>
 
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
-                          const c10::optional<torch::Tensor>& bias, int64_t N, int64_t bits);
+                          const c10::optional<torch::Tensor>& bias, int64_t N, int64_t bits, bool silu_and_mul);
 std::string isa();
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_groups(const torch::Tensor& weight);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
@@ -22,11 +22,14 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_tokens(const torch::Tensor& logi
 struct Int8Weight {
   torch::Tensor packed, scales;
   c10::optional<torch::Tensor> bias;
-  int64_t n = 0, out_features = 0, bits = 8;  // n: output rows as packed (a multiple of 16), out_features <= n
+  // n: output rows as packed (a multiple of 16); out_features: the output's width, <= n (n / 2 where the rows are
+  // a gated MLP's gate and up, interleaved, and the output is SiLU(gate) * up).
+  int64_t n = 0, out_features = 0, bits = 8;
+  bool silu_and_mul = false;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    const torch::Tensor y = int8_linear(x, packed, scales, bias, n, bits);
-    return out_features == n ? y : y.narrow(1, 0, out_features);
+    const torch::Tensor y = int8_linear(x, packed, scales, bias, n, bits, silu_and_mul);
+    return out_features == y.size(1) ? y : y.narrow(1, 0, out_features);
   }
 };
 
