@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -191,3 +195,15 @@ def test_kernels_that_cannot_build_fall_back_under_auto_and_fail_when_asked_for(
     assert len(llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs[0].token_ids) > 0
     with pytest.raises(RuntimeError, match=r"Python\.h"):
         LLM(**common, cpu_kernels="on")
+
+
+def test_a_build_killed_half_way_does_not_hang_the_next_start():
+    # torch's build lock is a file: a first start killed while it compiles leaves it behind, and torch alone
+    # then waits on it forever at every later start.
+    build_dir = Path(kernels("portable").__file__).parent  # built or loaded here: the next start only loads
+    (build_dir / "lock").touch()
+    code = "from qwenbatch.layers.cpu_kernels import kernels; print(kernels('portable').isa())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "portable"
+    assert not (build_dir / "lock").exists()

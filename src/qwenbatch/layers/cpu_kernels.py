@@ -4,14 +4,18 @@ One extension module, built by torch's C++ extension builder with ``-march=nativ
 on (~60 s once, then loaded from torch's extension cache, ~/.cache/torch_extensions); it needs a C++
 compiler. The module name carries a hash of the CPU's flags and of the sources, so a cache shared by
 machines of different kinds never loads a binary built for another, nor an old build of changed sources.
+A build killed half-way (a Ctrl-C during a first start) is taken up again by the next start.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -45,23 +49,40 @@ def _cpu_flags() -> str:
         return ""
 
 
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Held while torch builds or loads the module in ``build_dir``. torch's own lock there is a file, which a
+    build killed half-way leaves behind, and torch then waits on it forever at every later start. Ours is an
+    flock, released by the kernel when its holder dies: while we hold it no build can be running, so a torch
+    lock left in the directory is stale and is removed."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "qwenbatch.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
+
+
 @functools.cache
 def kernels(target: str = "native"):
     """The compiled module. ``native`` builds for this CPU (the int8 linear's VNNI kernel where the CPU
     has AVX-512 VNNI, else its AVX2 one, else plain loops); ``avx2`` and ``portable`` force the others."""
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import get_default_build_root, load
 
     # The sources are in the key too: torch rebuilds when a .cpp changes, but not when only a header does.
     sources = b"".join(path.read_bytes() for path in sorted(_CSRC.iterdir()))
     key = hashlib.sha256((_cpu_flags() if target == "native" else target).encode() + sources).hexdigest()[:12]
+    name = f"qwenbatch_cpu_kernels_{key}"
+    build_dir = Path(get_default_build_root()) / name
     started = time.perf_counter()
     try:
-        module = load(
-            name=f"qwenbatch_cpu_kernels_{key}",
-            sources=[str(_CSRC / name) for name in _SOURCES],
-            extra_cflags=["-O3", "-fopenmp", _TARGETS[target]],
-            extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch has loaded: one OpenMP pool
-        )
+        with _build_lock(build_dir):
+            module = load(
+                name=name,
+                sources=[str(_CSRC / source) for source in _SOURCES],
+                extra_cflags=["-O3", "-fopenmp", _TARGETS[target]],
+                extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch has loaded: one OpenMP pool
+                build_directory=str(build_dir),
+            )
     except (RuntimeError, OSError, ImportError) as e:
         raise RuntimeError(f"qwenbatch's CPU kernels need a C++ compiler to build (g++): {e}") from e
     logger.info(
