@@ -12,7 +12,8 @@ weights must come in float32 for that (a bfloat16 copy has already rounded them)
 from the checkpoint as its layer is quantized. A tensor whose every group is a Q5_0 block (the default model's
 gate/up and attention output) is stored in 5 bits where a SIMD kernel widens them (AVX-512 VNNI or AVX2): a
 batch-1 decode step is bound by the bytes it reads, and on AVX2 the 5-bit products also skip the sign trick
-8-bit weights need (BENCHMARKS.md: 1.14-1.22x at one row, 1.15-1.21x at 256, 0.87-0.89x at 4-8 rows).
+8-bit weights need and sum in int16 four chunks at a time (BENCHMARKS.md, AVX2 kind: 1.36x the 8-bit layout at
+one row, 1.10-1.36x from 4 rows up). A gated MLP's gate_up also applies SiLU(gate) * up as it stores its results.
 """
 
 from __future__ import annotations
