@@ -22,6 +22,7 @@ from qwenbatch.engine.model_runner import pack_step
 from qwenbatch.engine.scheduler import ScheduledSequence, SchedulerOutput
 from qwenbatch.engine.sequence import Sequence
 from qwenbatch.layers.attention import StepLayout
+from qwenbatch.layers.rotary import RotaryEmbedding, same_device
 from qwenbatch.layers.triton_backend import TritonAttentionMetadata
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,6 +146,23 @@ def _seq(seq_id: int, tokens: list[int], computed: int, table: list[int]) -> Seq
     seq = Sequence(seq_id, f"r{seq_id}", 0, tokens, len(tokens), GREEDY, 4)
     seq.num_computed_tokens, seq.block_table = computed, table
     return seq
+
+
+def test_rotary_table_outlives_steps_whatever_the_device_is_called(monkeypatch):
+    """Decode graphs capture the rotary table: a step that asks for covered positions must keep it. On the
+    H200 the engine's ``cuda`` never equalled the table's ``cuda:0``, so it doubled every step (OOM) and
+    the graphs read the freed one (illegal memory access)."""
+    rotary = RotaryEmbedding(32, 10_000.0)
+    rotary.reserve(100, torch.device("cpu"))
+    table = rotary._cos
+    rotary.reserve(100, torch.device("cpu", 0))
+    assert rotary._cos is table
+    rotary.reserve(5000, torch.device("cpu"))
+    assert rotary._cos.shape[0] >= 5000
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert same_device(torch.device("cuda", 0), torch.device("cuda"))
+    assert not same_device(torch.device("cuda", 1), torch.device("cuda"))
+    assert not same_device(torch.device("cpu"), torch.device("cuda", 0))
 
 
 def test_steps_pack_decodes_first_and_sample_rows_follow_scheduling_order():

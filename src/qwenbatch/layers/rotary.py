@@ -25,7 +25,7 @@ class RotaryEmbedding(nn.Module):
     def reserve(self, length: int, device: torch.device) -> None:
         """Make the table cover positions [0, length) on ``device``; the runner calls this before a step,
         from positions it knows on the host, so ``forward`` never reads a device value (CUDA graphs)."""
-        if self._cos.shape[0] >= length and self._cos.device == device:
+        if self._cos.shape[0] >= length and same_device(self._cos.device, device):
             return
         size = max(length, 2 * self._cos.shape[0], 4096)
         inv_freq = 1.0 / (
@@ -39,6 +39,18 @@ class RotaryEmbedding(nn.Module):
         """The packed tokens' cos and sin (positions covered by ``reserve``), computed once per step and
         shared by every layer."""
         return Rope(self._cos[positions].to(dtype)[:, None, :], self._sin[positions].to(dtype)[:, None, :])
+
+
+def same_device(have: torch.device, want: torch.device) -> bool:
+    """Whether a tensor on ``have`` is on ``want``, where a CUDA device without an index means the current
+    one. (``torch.device("cuda") != torch.device("cuda:0")``, the device of every tensor on it: compared
+    plainly, the table was rebuilt at double its size every step, freeing the one CUDA graphs had captured.)"""
+    want = torch.device(want)
+    if have.type != want.type:
+        return False
+    if want.type == "cuda":
+        return have.index == (torch.cuda.current_device() if want.index is None else want.index)
+    return have.index is None or want.index is None or have.index == want.index
 
 
 @dataclass
