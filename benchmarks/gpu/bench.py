@@ -18,6 +18,7 @@ import json
 import os
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import psutil
@@ -200,26 +201,46 @@ def main() -> None:
             engine = {**common, "model": "qwen3-0.6b", "load_format": "dummy", "dtype": "bfloat16"}
             shape, n_a, in_a, out_a, n_b, len_b, b1 = QWEN3_0_6B, 500, 512, 128, 256, (100, 1024), 256
             sizes = [64, 128, 256]
-        report["parity"] = parity(folder, device, {**common, "max_num_seqs": 8})
-        print("(0) greedy parity with transformers (float32):", report["parity"], flush=True)
         vocab = shape["vocab_size"]
         work_a = random_workload(n_a, (in_a, in_a), (out_a, out_a), seed=0, vocab_size=vocab)
         work_b = random_workload(n_b, len_b, len_b, seed=0, vocab_size=vocab)
-        report["a"] = run_ours(f"qwenbatch (a) {n_a}x{in_a}->{out_a}", work_a, engine, device)
-        report["b"] = run_ours("qwenbatch (b) nano-vllm", work_b, engine, device)
-        report["c"] = run_transformers("transformers (b)", work_b, shape, sizes, device)
+        phases = [  # the baseline last: it is the slowest, and a lease may end before it
+            ("parity", lambda: parity(folder, device, {**common, "max_num_seqs": 8})),
+            ("a", lambda: run_ours(f"qwenbatch (a) {n_a}x{in_a}->{out_a}", work_a, engine, device)),
+            ("b", lambda: run_ours("qwenbatch (b) nano-vllm", work_b, engine, device)),
+            ("batch1", lambda: batch1_decode(engine, device, b1, vocab)),
+            ("c", lambda: run_transformers("transformers (b)", work_b, shape, sizes, device)),
+        ]
+        for key, phase in phases:
+            # One phase's failure must not lose the others' figures on a lease that may not come again.
+            start = time.perf_counter()
+            try:
+                report[key] = phase()
+            except Exception as exc:  # reported in the JSON and the table
+                traceback.print_exc()
+                report[key] = {"error": f"{type(exc).__name__}: {exc}"}
+                release(device)
+            print(f"({key}) {time.perf_counter() - start:.1f} s: {report[key]}", flush=True)
+            (args.out / "gpu-bench.json").write_text(json.dumps(report, indent=2))
+    if "output_tps" in report["b"] and "output_tps" in report["c"]:
         report["b_over_c"] = report["b"]["output_tps"] / report["c"]["output_tps"]
-        report["batch1"] = batch1_decode(engine, device, b1, vocab)
     (args.out / "gpu-bench.json").write_text(json.dumps(report, indent=2))
     print(f"\n{'system':<34} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'peak GiB':>9} {'wall s':>8}")
     for key in ("a", "b", "c"):
         r = report[key]
+        if "error" in r:
+            print(f"({key}) failed: {r['error']}")
+            continue
         print(
             f"{r['system']:<34} {r['req_per_s']:>8.2f} {r['output_tps']:>10.1f} {r['total_tps']:>12.1f} "
             f"{r['peak_memory_gib']:>9.2f} {r['wall_s']:>8.2f}"
         )
-    print(f"(b) / (c) output tok/s: {report['b_over_c']:.2f}x; batch-1 decode tok/s: {report['batch1']}")
+    print(f"(0) parity: {report['parity']}; (b) / (c) output tok/s: {report.get('b_over_c', 'n/a')}")
+    print(f"(d) batch-1 decode tok/s: {report['batch1']}")
     print(f"wrote {args.out / 'gpu-bench.json'}")
+    failed = [key for key, _ in phases if "error" in report[key]]
+    if failed:
+        raise SystemExit(f"failed phases: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
