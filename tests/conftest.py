@@ -91,6 +91,21 @@ def make_checkpoint(folder: Path, arch: str, seed: int = 0, extra_tokens: tuple[
     return folder
 
 
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Call it to make torch see one CUDA device (an H200's name and memory) for config code from then on;
+    nothing can run on it."""
+    from types import SimpleNamespace
+
+    h200 = SimpleNamespace(name="NVIDIA H200", total_memory=140 * 2**30, multi_processor_count=132)
+
+    def enable() -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: h200)
+
+    return enable
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")

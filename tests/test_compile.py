@@ -30,13 +30,13 @@ def test_a_compiled_engine_computes_what_the_eager_one_does(tiny_qwen2):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3  # one token; many; nothing more
 
 
-def test_compile_is_refused_where_it_cannot_run(monkeypatch):
+def test_compile_is_refused_where_it_cannot_run(fake_cuda):
     assert not EngineConfig(dtype="bfloat16", compile=True).uses_cpu_kernels  # it replaces them
     with pytest.raises(ValueError, match="compile replaces the CPU kernels"):
         EngineConfig(compile=True, quantization="int8")
     with pytest.raises(ValueError, match="compile replaces the CPU kernels"):
         EngineConfig(compile=True, cpu_kernels="on")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fake_cuda()
     with pytest.raises(ValueError, match="compile runs on the CPU only"):
         EngineConfig(compile=True, device="cuda")
 

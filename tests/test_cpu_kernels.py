@@ -139,7 +139,7 @@ def test_rotary_matches_the_layer_on_slices_of_the_fused_projection(dtype):
             assert torch.equal(got, want)
 
 
-def test_the_cpu_kernels_setting_resolves_by_dtype_and_compiler(monkeypatch):
+def test_the_cpu_kernels_setting_resolves_by_dtype_and_compiler(monkeypatch, fake_cuda):
     from qwenbatch import config as config_module
     from qwenbatch.config import EngineConfig
 
@@ -155,7 +155,7 @@ def test_the_cpu_kernels_setting_resolves_by_dtype_and_compiler(monkeypatch):
         EngineConfig(cpu_kernels="yes")
     with pytest.raises(ValueError, match="cannot have cpu_kernels off"):
         EngineConfig(quantization="int8", cpu_kernels="off")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fake_cuda()
     with pytest.raises(ValueError, match="CPU only"):
         EngineConfig(device="cuda", cpu_kernels="on")
     assert not EngineConfig(device="cuda").uses_cpu_kernels

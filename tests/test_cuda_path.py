@@ -49,8 +49,27 @@ def test_cli_device_cuda_without_a_gpu_is_a_one_line_error(capsys):
     assert "device cuda" in err and len(err.splitlines()) == 1
 
 
-def test_cuda_defaults_to_bfloat16_and_triton(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+def test_batch_limits_default_by_device_as_vllm_offline(monkeypatch, fake_cuda):
+    from types import SimpleNamespace
+
+    cpu = EngineConfig()
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (256, 2048)
+    fake_cuda()
+    for name, gib, expected in [
+        ("NVIDIA H200", 140, (1024, 16384)),
+        ("NVIDIA A100-SXM4-80GB", 80, (256, 8192)),
+        ("NVIDIA L4", 22, (256, 8192)),
+    ]:
+        props = SimpleNamespace(name=name, total_memory=gib * 2**30)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, props=props: props)
+        config = EngineConfig(device="cuda")
+        assert (config.max_num_seqs, config.max_num_batched_tokens) == expected, name
+        assert EngineConfig(device="cuda", max_num_seqs=8).max_num_seqs == 8
+        assert EngineConfig(device="cuda", max_num_batched_tokens=512).max_num_batched_tokens == 512
+
+
+def test_cuda_defaults_to_bfloat16_and_triton(fake_cuda):
+    fake_cuda()
     for device in ("auto", "cuda"):
         config = EngineConfig(device=device)
         assert config.resolved_device.type == "cuda"
@@ -94,20 +113,25 @@ def test_gpu_kv_budget_that_leaves_nothing_is_an_error_with_the_numbers():
 # -- the decode-graph ladder and its buffers -------------------------------------------------------
 
 
-def test_graph_ladder_is_powers_of_two_then_steps_of_8_up_to_256():
-    full = graph_batch_sizes(256)
-    assert full[:5] == [1, 2, 4, 8, 16] and full[-1] == 256
-    assert all(b - a == 8 for a, b in itertools.pairwise(full[4:]))
+def test_graph_ladder_is_powers_of_two_then_steps_of_8_up_to_256_then_of_16_up_to_512():
+    full = graph_batch_sizes(512)
+    assert full[:5] == [1, 2, 4, 8, 16] and full[-1] == 512
+    assert all(b - a == 8 for a, b in itertools.pairwise(full[4 : full.index(256) + 1]))
+    assert all(b - a == 16 for a, b in itertools.pairwise(full[full.index(256) :]))
     assert graph_batch_sizes(1) == [1]
     assert graph_batch_sizes(3) == [1, 2, 4]
     assert graph_batch_sizes(100)[-2:] == [96, 104]
-    assert graph_batch_sizes(1000) == full
+    assert graph_batch_sizes(256)[-1] == 256
+    assert graph_batch_sizes(300)[-2:] == [288, 304]
+    assert graph_batch_sizes(1024) == full
 
 
 def test_a_step_pads_up_to_the_next_rung_or_runs_eagerly_past_the_top():
     sizes = graph_batch_sizes(256)
     assert [padded_batch_size(n, sizes) for n in (1, 2, 3, 5, 9, 17, 24, 25, 256)] == [1, 2, 4, 8, 16, 24, 24, 32, 256]
     assert padded_batch_size(257, sizes) is None
+    assert padded_batch_size(500, graph_batch_sizes(1024)) == 512
+    assert padded_batch_size(513, graph_batch_sizes(1024)) is None
 
 
 def _decode_layout(block_size: int = 4) -> StepLayout:

@@ -252,10 +252,10 @@ def test_engine_runs_int8_and_stays_close_to_the_float_model(tiny_qwen2):
     assert len(out[0].outputs[0].token_ids) == 12
 
 
-def test_bad_quantization_settings_are_refused(monkeypatch):
+def test_bad_quantization_settings_are_refused(fake_cuda):
     with pytest.raises(ValueError, match="quantization must be none or int8"):
         EngineConfig(quantization="int4")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fake_cuda()
     with pytest.raises(ValueError, match="CPU only"):
         EngineConfig(quantization="int8", device="cuda")
 

@@ -51,6 +51,22 @@ def parse_kv_cache_memory(text: str) -> int | float:
     return value if 0 < value < 1 else parse_bytes(text)
 
 
+def batch_defaults(device: torch.device) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) where the user sets neither.
+
+    CUDA: vLLM's offline defaults, 1,024 sequences and 16,384 tokens a step on a GPU of >= 70 GiB other
+    than an A100 (where vLLM measured large token budgets lose), else 256 and 8,192; a step's fixed cost
+    (launches, the host's share) is then spread over enough work, and 500 requests decode in one wave.
+    CPU: 256 and 2,048, where `tune`'s sweeps put the knee (BENCHMARKS.md).
+    """
+    if device.type != "cuda":
+        return 256, 2048
+    props = torch.cuda.get_device_properties(device)
+    if props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower():
+        return 1024, 16384
+    return 256, 8192
+
+
 KV_CACHE_MEMORY = Form(parse_kv_cache_memory, "a size in bytes such as 4GiB, or a fraction in (0, 1)", FLOAT.accepts)
 
 
@@ -78,8 +94,9 @@ class EngineConfig:
     # kernels (which it would only see as opaque calls); off by default (BENCHMARKS.md: it decodes slower).
     compile: bool = False
     max_model_len: int | None = None  # default: the model's context length, capped by the KV pool
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # Unset: batch_defaults(device), resolved at construction (always an int afterwards).
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     # Bytes (an int, or text such as "4GiB"), or a fraction (0, 1) of the memory available after loading the
@@ -103,6 +120,10 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
+        if self.max_num_seqs is None or self.max_num_batched_tokens is None:
+            seqs, tokens = batch_defaults(self.resolved_device)
+            self.max_num_seqs = seqs if self.max_num_seqs is None else self.max_num_seqs
+            self.max_num_batched_tokens = tokens if self.max_num_batched_tokens is None else self.max_num_batched_tokens
         if self.quantization == "int8" and self.resolved_device.type != "cpu":
             raise ValueError("quantization int8 runs on the CPU only (its kernel is CPU code)")
         if self.cpu_kernels not in CPU_KERNELS:

@@ -82,8 +82,18 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
     )
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     if not sweep:
-        g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step")
-        g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+        g.add_argument(
+            "--max-num-seqs",
+            type=int,
+            default=None,
+            help="most sequences in one step (default: 1024 on a GPU of >= 70 GiB, else 256)",
+        )
+        g.add_argument(
+            "--max-num-batched-tokens",
+            type=int,
+            default=None,
+            help="token budget of one step (default: 16384 on a GPU of >= 70 GiB, 8192 on others, 2048 on the CPU)",
+        )
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block")
     g.add_argument(
         "--enable-prefix-caching",

@@ -2,7 +2,7 @@
 
 A decode step of a small model on a GPU is short enough that launching its few hundred kernels
 from Python costs more than running them. So the engine captures the model's forward once per
-batch size of a ladder (1, 2, 4, 8, then steps of 8 up to 256) and replays it: a step of n
+batch size of a ladder (1, 2, 4, 8, steps of 8 up to 256, then of 16 up to 512, as vLLM's) and replays it: a step of n
 sequences runs the graph of the smallest rung >= n, its extra rows padding (no K/V stored: slot
 -1; nothing attended: length 0). A graph reads its inputs from fixed addresses, so every step's
 inputs are copied into persistent buffers first (``DecodeBuffers``), and the attention metadata
@@ -25,8 +25,8 @@ from qwenbatch.layers.triton_backend import TritonAttentionMetadata, block_table
 
 logger = logging.getLogger(__name__)
 
-GRAPH_MAX_BATCH = 256
-_LADDER = (1, 2, 4, 8, *range(16, GRAPH_MAX_BATCH + 1, 8))
+GRAPH_MAX_BATCH = 512
+_LADDER = (1, 2, 4, 8, *range(16, 256, 8), *range(256, GRAPH_MAX_BATCH + 1, 16))
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
