@@ -13,6 +13,7 @@ psutil, xxhash (no server extras, no gguf).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -44,6 +45,7 @@ TINY = dict(  # the smoke model and the parity model: a few layers, GQA 4/2, hea
     initializer_range=0.1,
     eos_token_id=1,
 )
+SWEEP_OUTPUT_LEN = 64  # tokens a request in transformers' batch-size sweep
 # transformers' Qwen3Config of the engine's own dummy shape, so both systems run the same model.
 QWEN3_0_6B = {k: v for k, v in SHAPES["qwen3-0.6b"].items() if k != "architectures"}
 
@@ -134,10 +136,14 @@ def run_ours(name: str, requests: list[BenchRequest], engine: dict, device: str)
 
 
 def run_transformers(name: str, requests: list[BenchRequest], shape: dict, sizes: list[int], device: str) -> dict:
-    """(c): transformers.generate in length-sorted static batches at its best batch size of a sweep."""
+    """(c): transformers.generate in length-sorted static batches at its best batch size of a sweep.
+
+    The sweep generates at most SWEEP_OUTPUT_LEN tokens a request: on the H200, sweeping with the
+    workload's full lengths (up to 1,024 steps a batch) did not end within the lease's 7 minutes."""
     model = hf_model(shape, torch.bfloat16 if device == "cuda" else torch.float32, device)
     pad = pad_token_id(model)
-    best, sweep = best_batch_size(model, requests, sizes, pad)
+    short = [dataclasses.replace(r, output_len=min(r.output_len, SWEEP_OUTPUT_LEN)) for r in requests]
+    best, sweep = best_batch_size(model, short, sizes, pad)
     reset_peak(device)
     run = run_static(model, requests, best, pad)
     result = summary(name, requests, run.output_tokens, run.wall_s, peak_gib(device))
