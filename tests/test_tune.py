@@ -120,6 +120,36 @@ def test_failed_settings_are_never_picked_and_no_fit_is_an_error():
         recommend([point(1, 0, error="boom")], Rules())
 
 
+def test_repeated_rounds_alternate_order_and_a_setting_reports_its_median_run():
+    from qwenbatch.tune.sweep import Setting, _sweep
+
+    settings = [Setting("qwenbatch", s, 64) for s in (1, 2, 4)]
+    drift = iter([10, 20, 30, 31, 21, 11, 12, 22, 32])  # the host slows down over the sweep
+    calls = []
+
+    def measure(setting):
+        calls.append(setting.max_num_seqs)
+        return point(setting.max_num_seqs, next(drift), mem=100.0 * len(calls))
+
+    ms = _sweep(settings, measure, progress=False, repeats=3)
+    assert calls == [1, 2, 4, 4, 2, 1, 1, 2, 4]  # forward, backward, forward
+    assert [m.max_num_seqs for m in ms] == [1, 2, 4]
+    assert [m.runs_output_tps for m in ms] == [[10, 11, 12], [20, 21, 22], [30, 31, 32]]
+    assert [m.output_tps for m in ms] == [11, 21, 31]  # the median run
+    assert [m.peak_memory_mib for m in ms] == [700, 800, 900]  # the highest of the runs'
+    one = _sweep(settings, lambda s: point(s.max_num_seqs, 5), progress=False)
+    assert [m.runs_output_tps for m in one] == [[], [], []]
+
+
+def test_a_setting_that_fails_in_one_run_of_several_is_failed():
+    from qwenbatch.tune.sweep import combine
+
+    m = combine([point(4, 30), point(4, 0, error="CPU out of memory"), point(4, 31)])
+    assert not m.ok and m.error == "failed in 1 of 3 runs: CPU out of memory"
+    even = combine([point(2, 20), point(2, 24)])
+    assert even.output_tps == 20 and even.runs_output_tps == [20, 24]  # the slower middle run
+
+
 # -- real sweeps ----------------------------------------------------------------------------------
 
 TINY_RANDOM = ["--workload", "random", "--num-prompts", "6", "--input-len", "8-24", "--output-len", "4-6"]
@@ -159,6 +189,20 @@ def test_tiny_sweep_end_to_end_writes_all_four_files(tiny_qwen3, tmp_path, capsy
     assert image.shape[0] > 300 and image.shape[1] > 300
     assert image[..., :3].std() > 0.05  # lines and text, not a blank canvas
     assert "pick:" in capsys.readouterr().out
+
+
+def test_a_repeated_sweep_reports_each_run(tiny_qwen3, tmp_path, capsys):
+    out = tmp_path / "report"
+    argv = ["tune", "--model", str(tiny_qwen3), "--dtype", "float32", "--kv-cache-memory", "16MiB", *TINY_RANDOM]
+    assert main([*argv, "--max-num-seqs", "1,2", "--repeats", "2", "--output", str(out)]) == 0
+    ms = json.loads((out / "report.json").read_text())["measurements"]
+    assert [m["max_num_seqs"] for m in ms] == [1, 2]
+    for m in ms:
+        assert len(m["runs_output_tps"]) == 2 and all(t > 0 for t in m["runs_output_tps"])
+        assert m["output_tps"] == pytest.approx(min(m["runs_output_tps"]))  # of two, the slower
+    table = (out / "report.md").read_text()
+    assert "runs, output tok/s" in table and " / ".join(f"{t:.1f}" for t in ms[0]["runs_output_tps"]) in table
+    assert "runs " in capsys.readouterr().out
 
 
 FAULTS = """
@@ -261,6 +305,7 @@ def test_a_bad_config_file_is_a_one_line_error(tmp_path, capsys, text, message):
     [
         (["--latency-slo-ms", "0"], "--latency-slo-ms must be positive"),
         (["--num-samples", "0"], "--num-samples must be positive"),
+        (["--repeats", "0"], "--repeats must be positive"),
         (["--server", "http://127.0.0.1:1", "--compare-static"], "cannot be combined with --server"),
     ],
 )

@@ -52,6 +52,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", type=Path, default=Path("tune-report"), help="the report folder")
     p.add_argument("--compare-static", action="store_true", help="also sweep transformers' static batches")
     p.add_argument("--setting-timeout", type=float, help="seconds one setting may take (default: no limit)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each setting, every other round in reverse order; the median run counts (2-3 on a shared, "
+        "noisy machine)",
+    )
     p.add_argument("--server", help="sweep a running server's POST /config instead (loopback unless --allow-remote)")
     p.add_argument("--api-key", help="for --server (the admin key, as POST /config needs it)")
     p.add_argument("--apply", action="store_true", help="with --server: leave the server at the pick")
@@ -76,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("tune writes a plot and needs matplotlib: pip install 'qwenbatch[tune]'") from None
     if args.num_samples < 1:
         raise ValueError("--num-samples must be positive")
+    if args.repeats < 1:
+        raise ValueError("--repeats must be positive")
     if args.latency_slo_ms is not None and args.latency_slo_ms <= 0:
         raise ValueError("--latency-slo-ms must be positive")
     if args.server and args.compare_static:
@@ -90,9 +99,11 @@ def run(args: argparse.Namespace) -> int:
 
         if not args.allow_remote:
             check_loopback(args.server)
-        measurements = run_server_sweep(args.server, workload.sample, settings, args.api_key)
+        measurements = run_server_sweep(args.server, workload.sample, settings, args.api_key, repeats=args.repeats)
     else:
-        measurements = run_sweep(config, workload.sample, settings, args.output / "runs", args.setting_timeout)
+        measurements = run_sweep(
+            config, workload.sample, settings, args.output / "runs", args.setting_timeout, repeats=args.repeats
+        )
     # On CUDA the limit is GPU memory, as the measurements are.
     on_gpu = config.resolved_device.type == "cuda" and not args.server
     limit = args.memory_limit or (torch.cuda.mem_get_info()[1] if on_gpu else psutil.virtual_memory().total)
@@ -154,8 +165,9 @@ def _summary(report) -> str:
     for m in report.measurements:
         ttft = "–" if m.ttft_p95_s is None else f"{m.ttft_p95_s:.2f}"
         mem = "–" if m.peak_memory_mib is None else f"{m.peak_memory_mib:.0f}"
+        runs = f"  runs {' / '.join(f'{t:.1f}' for t in m.runs_output_tps)}" if m.runs_output_tps else ""
         lines.append(
-            f"{m.label:<38} {m.output_tps:>10.1f} {m.latency_p95_s:>7.2f} {ttft:>10} {mem:>9}  {m.error or ''}"
+            f"{m.label:<38} {m.output_tps:>10.1f} {m.latency_p95_s:>7.2f} {ttft:>10} {mem:>9}  {m.error or ''}{runs}"
         )
     r = report.recommendation
     if r:

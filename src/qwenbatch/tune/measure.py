@@ -13,7 +13,7 @@ import logging
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from qwenbatch.bench.stats import percentile
 from qwenbatch.bench.workloads import BenchRequest
@@ -44,6 +44,7 @@ class Measurement:
     peak_kv_usage: float | None = None  # largest share of KV blocks in use after a step
     preemptions: int = 0
     error: str | None = None
+    runs_output_tps: list[float] = field(default_factory=list)  # each run's output tok/s, when it was repeated
 
     @property
     def ok(self) -> bool:

@@ -94,13 +94,14 @@ def format_markdown(report: TuneReport) -> str:
         "",
         "## Sweep",
         "",
-        "| system | max_num_seqs | token budget | output tok/s | total tok/s | req/s | latency mean / p95 s "
-        "| TTFT mean / p95 s | peak MiB | peak KV | preemptions | error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| system | max_num_seqs | token budget | output tok/s | runs, output tok/s | total tok/s | req/s "
+        "| latency mean / p95 s | TTFT mean / p95 s | peak MiB | peak KV | preemptions | error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in report.measurements:
+        runs = " / ".join(f"{t:.1f}" for t in m.runs_output_tps) or "one run"
         lines.append(
-            f"| {m.system} | {m.max_num_seqs} | {m.max_num_batched_tokens or '–'} | {m.output_tps:.1f} | "
+            f"| {m.system} | {m.max_num_seqs} | {m.max_num_batched_tokens or '–'} | {m.output_tps:.1f} | {runs} | "
             f"{m.total_tps:.1f} | {m.requests_per_s:.2f} | {_fmt(m.latency_mean_s)} / {_fmt(m.latency_p95_s)} | "
             f"{_fmt(m.ttft_mean_s)} / {_fmt(m.ttft_p95_s)} | {_fmt(m.peak_memory_mib, digits=0)} | "
             f"{_fmt(m.peak_kv_usage, 100, 0)}{'%' if m.peak_kv_usage is not None else ''} | {m.preemptions} | "

@@ -57,15 +57,24 @@ def run_sweep(
     work_dir: Path,
     timeout_s: float | None = None,
     progress: bool = True,
+    repeats: int = 1,
 ) -> list[Measurement]:
-    """Measure every setting in a fresh process; a failed setting is recorded with its error and skipped."""
+    """Measure every setting in a fresh process, ``repeats`` times (see ``_sweep``); a failed setting is
+    recorded with its error and skipped."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    return _sweep(settings, lambda s: measure_in_child(config, requests, s, work_dir, timeout_s), progress)
+    return _sweep(settings, lambda s: measure_in_child(config, requests, s, work_dir, timeout_s), progress, repeats)
 
 
-def _sweep(settings: list[Setting], measure: Callable[[Setting], Measurement], progress: bool) -> list[Measurement]:
-    results = []
-    bar = tqdm(settings, desc="tune", unit="setting", disable=not progress, dynamic_ncols=True)
+def _sweep(
+    settings: list[Setting], measure: Callable[[Setting], Measurement], progress: bool, repeats: int = 1
+) -> list[Measurement]:
+    """Each setting ``repeats`` times, one round after another, every other round in reverse order so that a
+    host's drift over the sweep falls on every setting alike; one Measurement per setting (``combine``)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be positive, got {repeats}")
+    order = [s for r in range(repeats) for s in (settings if r % 2 == 0 else settings[::-1])]
+    runs: dict[Setting, list[Measurement]] = {s: [] for s in settings}
+    bar = tqdm(order, desc="tune", unit="run", disable=not progress, dynamic_ncols=True)
     for setting in bar:
         bar.set_postfix_str(setting.slug)
         result = measure(setting)
@@ -75,8 +84,24 @@ def _sweep(settings: list[Setting], measure: Callable[[Setting], Measurement], p
             )
         else:
             logger.warning("%s failed: %s", result.label, result.error)
-        results.append(result)
-    return results
+        runs[setting].append(result)
+    return [combine(runs[s]) for s in settings]
+
+
+def combine(runs: list[Measurement]) -> Measurement:
+    """One setting's runs as one: its median run by output tok/s (of an even count, the slower middle one),
+    with every run's figure in ``runs_output_tps`` and the highest peak memory of them all. A setting that
+    failed in any run is failed: one that only sometimes runs out of memory is no pick."""
+    if len(runs) == 1:
+        return runs[0]
+    failed = [r for r in runs if not r.ok]
+    if failed:
+        return dataclasses.replace(failed[0], error=f"failed in {len(failed)} of {len(runs)} runs: {failed[0].error}")
+    median = sorted(runs, key=lambda r: r.output_tps)[(len(runs) - 1) // 2]
+    peaks = [r.peak_memory_mib for r in runs if r.peak_memory_mib is not None]
+    return dataclasses.replace(
+        median, runs_output_tps=[r.output_tps for r in runs], peak_memory_mib=max(peaks) if peaks else None
+    )
 
 
 def measure_in_child(
@@ -120,7 +145,12 @@ def _failure(returncode: int, log: Path) -> str:
 
 
 def run_server_sweep(
-    url: str, requests: list[BenchRequest], settings: list[Setting], api_key: str | None = None, progress: bool = True
+    url: str,
+    requests: list[BenchRequest],
+    settings: list[Setting],
+    api_key: str | None = None,
+    progress: bool = True,
+    repeats: int = 1,
 ) -> list[Measurement]:
     """Sweep a live server: set each setting's limits with ``POST /config``, send every request at once
     (streamed, so TTFT is real), and measure. The server's own limits are put back afterwards."""
@@ -138,7 +168,7 @@ def run_server_sweep(
             return _server_measurement(setting, wall, timings, _preemptions(client) - before)
 
         try:
-            return _sweep(settings, measure, progress)
+            return _sweep(settings, measure, progress, repeats)
         finally:
             _set_limits(client, original["max_num_seqs"], original["max_num_batched_tokens"])
 
