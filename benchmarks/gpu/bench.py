@@ -80,6 +80,20 @@ def peak_gib(device: str) -> float:
     return psutil.Process().memory_info().rss / 2**30
 
 
+def memory_gib(device: str, when: str) -> dict:
+    """torch's allocated and reserved GiB now and at their peaks (since the last reset), keys prefixed ``when``:
+    the first lease's peak reserved (85.5 GiB) was 22 GiB over what gpu_memory_utilization allowed."""
+    if device != "cuda":
+        return {}
+    stats = {
+        "allocated": torch.cuda.memory_allocated(),
+        "reserved": torch.cuda.memory_reserved(),
+        "peak_allocated": torch.cuda.max_memory_allocated(),
+        "peak_reserved": torch.cuda.max_memory_reserved(),
+    }
+    return {f"{when}_{key}_gib": value / 2**30 for key, value in stats.items()}
+
+
 def release(device: str) -> None:
     gc.collect()
     if device == "cuda":
@@ -122,6 +136,7 @@ def run_ours(name: str, requests: list[BenchRequest], engine: dict, device: str)
     llm = LLM(**engine)
     llm.generate([requests[0].prompt_token_ids], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0.6, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    memory = memory_gib(device, "before")  # the engine at rest: weights, KV pool, graphs
     reset_peak(device)
     start = time.perf_counter()
     outs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
@@ -129,7 +144,14 @@ def run_ours(name: str, requests: list[BenchRequest], engine: dict, device: str)
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
     result = summary(name, requests, sum(len(o.outputs[0].token_ids) for o in outs), wall, peak_gib(device))
-    result["kv_pool_blocks"] = llm.engine.block_manager.num_blocks
+    config = llm.config
+    result.update(memory_gib(device, "after"), **memory)
+    result.update(
+        kv_pool_blocks=llm.engine.block_manager.num_blocks,
+        kv_pool_gib=llm.engine.runner.kv_cache_bytes / 2**30,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+    )
     del llm
     release(device)
     return result
