@@ -4,7 +4,7 @@
 (a) Qwen3-0.6B shape, dummy bfloat16 weights, 500 prompts x 512 random tokens -> 128, ignore_eos;
 (b) nano-vllm's workload: 256 sequences, input and output lengths random in 100-1024, ignore_eos;
 (c) transformers.generate on (b) at its best static batch size, same GPU and dtype;
-(d) batch-1 decode with CUDA graphs against eager.
+(d) batch-1 decode with CUDA graphs against eager; then, on the GPU, the Triton kernels' tests.
 ``--smoke`` runs all of it on the CPU with a tiny model and the Triton interpreter, so a lent GPU
 never finds a typo. Needs only torch, transformers, tokenizers, safetensors, numpy, tqdm, jinja2,
 psutil, xxhash (no server extras, no gguf).
@@ -137,12 +137,14 @@ def run_ours(name: str, requests: list[BenchRequest], engine: dict, device: str)
     llm.generate([requests[0].prompt_token_ids], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0.6, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     memory = memory_gib(device, "before")  # the engine at rest: weights, KV pool, graphs
+    execute = StepTimer(llm.engine.runner)
     reset_peak(device)
     start = time.perf_counter()
     outs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
     if device == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
+    execute.restore()
     result = summary(name, requests, sum(len(o.outputs[0].token_ids) for o in outs), wall, peak_gib(device))
     config = llm.config
     result.update(memory_gib(device, "after"), **memory)
@@ -151,9 +153,54 @@ def run_ours(name: str, requests: list[BenchRequest], engine: dict, device: str)
         kv_pool_gib=llm.engine.runner.kv_cache_bytes / 2**30,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        steps=execute.steps,
+        execute_s=execute.seconds,
+        host_outside_execute_s=wall - execute.seconds,
     )
     del llm
     release(device)
+    return result
+
+
+class StepTimer:
+    """Times the model runner's ``execute`` (packing, the forward and sampling, up to the tokens' copy to the
+    host, which waits for the GPU) so that the rest of a step, the scheduler's and the outputs' Python, shows
+    as wall time less it."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.steps, self.seconds = runner, 0, 0.0
+        self._execute = runner.execute
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return self._execute(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.steps += 1
+
+        runner.execute = timed
+
+    def restore(self) -> None:
+        self.runner.execute = self._execute
+
+
+def kernel_tests(timeout_s: float) -> dict:
+    """The Triton kernels' tests (tests/test_triton_attention.py) compiled and run on this GPU: the CPU runs
+    them in the interpreter only."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_attention.py"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
+    result = {"returncode": proc.returncode, "summary": summary}
+    if proc.returncode != 0:
+        result["error"] = summary
+        print(proc.stdout[-4000:], proc.stderr[-2000:], flush=True)
     return result
 
 
@@ -239,6 +286,8 @@ def main() -> None:
             ("batch1", lambda: batch1_decode(engine, device, b1, vocab)),
             ("c", lambda: run_transformers("transformers (b)", work_b, shape, sizes, device)),
         ]
+        if not args.smoke:  # CI runs these in the interpreter already
+            phases.append(("kernel_tests", lambda: kernel_tests(timeout_s=240)))
         for key, phase in phases:
             # One phase's failure must not lose the others' figures on a lease that may not come again.
             start = time.perf_counter()
@@ -265,6 +314,8 @@ def main() -> None:
         )
     print(f"(0) parity: {report['parity']}; (b) / (c) output tok/s: {report.get('b_over_c', 'n/a')}")
     print(f"(d) batch-1 decode tok/s: {report['batch1']}")
+    if "kernel_tests" in report:
+        print(f"Triton kernel tests on the GPU: {report['kernel_tests']}")
     print(f"wrote {args.out / 'gpu-bench.json'}")
     failed = [key for key, _ in phases if "error" in report[key]]
     if failed:
