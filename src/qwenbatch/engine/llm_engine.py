@@ -285,9 +285,11 @@ class LLMEngine:
         suppressed: tuple[int, ...] = ()
         if seq.num_output_tokens < p.min_tokens:
             suppressed = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
+        # The token lists are copies, made only for the penalties that read them: a copy every step would cost
+        # O(length) a sequence a step.
         return SamplingRow(
             p,
-            seq.output_token_ids,
+            seq.output_token_ids if p.has_penalties else [],
             seq.prompt_token_ids if p.repetition_penalty != 1.0 else [],
             self._requests[seq.request_id].samples[seq.index].generator,
             suppressed,

@@ -99,7 +99,7 @@ class OutputProcessor:
         """
         outputs = []
         for seq, state in zip(req.seqs, req.samples, strict=True):
-            tokens = seq.output_token_ids[state.num_streamed_tokens :]
+            tokens = seq.token_ids[seq.num_prompt_tokens + state.num_streamed_tokens :]
             text = ""
             if state.detokenizer is not None:
                 end = state.detokenizer.stable_length(final=seq.is_finished)

@@ -15,8 +15,8 @@ class SamplingRow:
     """What the sampler needs about one sampling sequence this step."""
 
     params: SamplingParams
-    output_token_ids: list[int]  # generated so far (for penalties and min_tokens)
-    prompt_token_ids: list[int]  # for the repetition penalty
+    output_token_ids: list[int]  # generated so far, where penalties read them (else empty)
+    prompt_token_ids: list[int]  # where the repetition penalty reads them (else empty)
     generator: torch.Generator | None  # per-request RNG when the request has a seed
     suppressed_token_ids: tuple[int, ...]  # eos/stop ids banned until min_tokens is reached
 
