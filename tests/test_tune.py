@@ -127,7 +127,7 @@ def test_repeated_rounds_alternate_order_and_a_setting_reports_its_median_run():
     drift = iter([10, 20, 30, 31, 21, 11, 12, 22, 32])  # the host slows down over the sweep
     calls = []
 
-    def measure(setting):
+    def measure(setting, run):
         calls.append(setting.max_num_seqs)
         return point(setting.max_num_seqs, next(drift), mem=100.0 * len(calls))
 
@@ -137,8 +137,23 @@ def test_repeated_rounds_alternate_order_and_a_setting_reports_its_median_run():
     assert [m.runs_output_tps for m in ms] == [[10, 11, 12], [20, 21, 22], [30, 31, 32]]
     assert [m.output_tps for m in ms] == [11, 21, 31]  # the median run
     assert [m.peak_memory_mib for m in ms] == [700, 800, 900]  # the highest of the runs'
-    one = _sweep(settings, lambda s: point(s.max_num_seqs, 5), progress=False)
+    one = _sweep(settings, lambda s, run: point(s.max_num_seqs, 5), progress=False)
     assert [m.runs_output_tps for m in one] == [[], [], []]
+
+
+def test_a_setting_that_failed_is_not_run_again():
+    from qwenbatch.tune.sweep import Setting, _sweep
+
+    settings = [Setting("qwenbatch", s, 64) for s in (1, 2)]
+    calls = []
+
+    def measure(setting, run):
+        calls.append((setting.max_num_seqs, run))
+        return point(setting.max_num_seqs, 0, error="CPU out of memory") if setting.max_num_seqs == 2 else point(1, 9)
+
+    ms = _sweep(settings, measure, progress=False, repeats=3)
+    assert calls == [(1, 0), (2, 0), (1, 1), (1, 2)]
+    assert ms[0].runs_output_tps == [9, 9, 9] and ms[1].error == "CPU out of memory"
 
 
 def test_a_setting_that_fails_in_one_run_of_several_is_failed():
@@ -258,9 +273,12 @@ def test_tune_against_a_running_server_restores_its_limits(tiny_server, tmp_path
         before["max_num_seqs"],
         before["max_num_batched_tokens"],
     )
+    # Without --max-num-batched-tokens the sweep keeps the server's own budget, not this machine's default.
+    httpx.post(tiny_server.url + "/config", json={"max_num_batched_tokens": 96})
     assert main([*argv, "--max-num-seqs", "2", "--output", str(out), "--apply"]) == 0
+    assert json.loads((out / "report.json").read_text())["measurements"][0]["max_num_batched_tokens"] == 96
     assert httpx.get(tiny_server.url + "/config").json()["max_num_seqs"] == 2
-    httpx.post(tiny_server.url + "/config", json={"max_num_seqs": before["max_num_seqs"]})
+    httpx.post(tiny_server.url + "/config", json={k: before[k] for k in ("max_num_seqs", "max_num_batched_tokens")})
 
 
 # -- qwenbatch.toml -------------------------------------------------------------------------------

@@ -45,7 +45,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-num-seqs", dest="sweep_seqs", type=_int_list, default=_int_list(DEFAULT_SEQS), help=DEFAULT_SEQS
     )
     p.add_argument(
-        "--max-num-batched-tokens", dest="sweep_budgets", type=_int_list, help="token budgets (default: 2048)"
+        "--max-num-batched-tokens",
+        dest="sweep_budgets",
+        type=_int_list,
+        help="token budgets (default: the engine's; with --server, the server's)",
     )
     p.add_argument("--memory-limit", type=parse_bytes, help="e.g. 20GiB (default: this machine's memory)")
     p.add_argument("--latency-slo-ms", type=float, help="p95 request latency the pick must meet")
@@ -75,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from qwenbatch.tune.analysis import analyze
     from qwenbatch.tune.recommend import NoSettingFits, Rules, recommend
     from qwenbatch.tune.report import TuneReport, write_report
-    from qwenbatch.tune.sweep import apply_setting, run_server_sweep, run_sweep, settings_grid
+    from qwenbatch.tune.sweep import apply_setting, run_server_sweep, run_sweep, server_limits, settings_grid
 
     try:
         import matplotlib  # noqa: F401  (the plot is written last; fail before the sweep, not after)
@@ -91,14 +94,16 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--compare-static runs transformers in-process; it cannot be combined with --server")
     config = engine_config_from_args(args)
     workload, model_len = _workload(args, config)
-    budgets = args.sweep_budgets or [config.max_num_batched_tokens]
+    if args.server and not args.allow_remote:
+        from qwenbatch.bench.serving import check_loopback
+
+        check_loopback(args.server)
+    # The budget the engine runs with: against a server, its own (this machine's default may differ from its).
+    own = server_limits(args.server, args.api_key)["max_num_batched_tokens"] if args.server else None
+    budgets = args.sweep_budgets or [own or config.max_num_batched_tokens]
     analysis = analyze(workload.prompt_lengths, args.sweep_seqs, model_len)
     settings = settings_grid(args.sweep_seqs, budgets, args.compare_static)
     if args.server:
-        from qwenbatch.bench.serving import check_loopback
-
-        if not args.allow_remote:
-            check_loopback(args.server)
         measurements = run_server_sweep(args.server, workload.sample, settings, args.api_key, repeats=args.repeats)
     else:
         measurements = run_sweep(

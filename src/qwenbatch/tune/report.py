@@ -99,7 +99,7 @@ def format_markdown(report: TuneReport) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in report.measurements:
-        runs = " / ".join(f"{t:.1f}" for t in m.runs_output_tps) or "one run"
+        runs = " / ".join(f"{t:.1f}" for t in m.runs_output_tps) or ("one run" if m.ok else "–")
         lines.append(
             f"| {m.system} | {m.max_num_seqs} | {m.max_num_batched_tokens or '–'} | {m.output_tps:.1f} | {runs} | "
             f"{m.total_tps:.1f} | {m.requests_per_s:.2f} | {_fmt(m.latency_mean_s)} / {_fmt(m.latency_p95_s)} | "

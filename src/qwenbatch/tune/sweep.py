@@ -62,22 +62,29 @@ def run_sweep(
     """Measure every setting in a fresh process, ``repeats`` times (see ``_sweep``); a failed setting is
     recorded with its error and skipped."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    return _sweep(settings, lambda s: measure_in_child(config, requests, s, work_dir, timeout_s), progress, repeats)
+
+    def measure(setting: Setting, run: int) -> Measurement:
+        return measure_in_child(config, requests, setting, work_dir, timeout_s, run)
+
+    return _sweep(settings, measure, progress, repeats)
 
 
 def _sweep(
-    settings: list[Setting], measure: Callable[[Setting], Measurement], progress: bool, repeats: int = 1
+    settings: list[Setting], measure: Callable[[Setting, int], Measurement], progress: bool, repeats: int = 1
 ) -> list[Measurement]:
-    """Each setting ``repeats`` times, one round after another, every other round in reverse order so that a
-    host's drift over the sweep falls on every setting alike; one Measurement per setting (``combine``)."""
+    """Each setting ``repeats`` times (``measure(setting, run)``, run 0, 1, ...), one round after another, every
+    other round in reverse order so that a host's drift over the sweep falls on every setting alike; one
+    Measurement per setting (``combine``). A setting that failed is not run again: it is no pick anyway."""
     if repeats < 1:
         raise ValueError(f"repeats must be positive, got {repeats}")
-    order = [s for r in range(repeats) for s in (settings if r % 2 == 0 else settings[::-1])]
+    order = [(r, s) for r in range(repeats) for s in (settings if r % 2 == 0 else settings[::-1])]
     runs: dict[Setting, list[Measurement]] = {s: [] for s in settings}
     bar = tqdm(order, desc="tune", unit="run", disable=not progress, dynamic_ncols=True)
-    for setting in bar:
+    for run, setting in bar:
+        if any(not m.ok for m in runs[setting]):
+            continue
         bar.set_postfix_str(setting.slug)
-        result = measure(setting)
+        result = measure(setting, run)
         if result.ok:
             logger.info(
                 "%s: %.1f output tok/s, p95 latency %.2f s", result.label, result.output_tps, result.latency_p95_s
@@ -105,15 +112,22 @@ def combine(runs: list[Measurement]) -> Measurement:
 
 
 def measure_in_child(
-    config: EngineConfig, requests: list[BenchRequest], setting: Setting, work_dir: Path, timeout_s: float | None
+    config: EngineConfig,
+    requests: list[BenchRequest],
+    setting: Setting,
+    work_dir: Path,
+    timeout_s: float | None,
+    run: int = 0,
 ) -> Measurement:
-    """Run ``python -m qwenbatch.tune.measure`` for one setting; its log goes to ``work_dir/<slug>.log``."""
+    """Run ``python -m qwenbatch.tune.measure`` for one setting; its log goes to ``work_dir/<slug>.log`` (the
+    first run; ``<slug>-r<run>.log`` for the repeats)."""
     setting_config = dataclasses.replace(
         config,
         max_num_seqs=setting.max_num_seqs,
         max_num_batched_tokens=setting.max_num_batched_tokens or config.max_num_batched_tokens,
     )
-    job, result, log = (work_dir / f"{setting.slug}{ext}" for ext in (".job.json", ".result.json", ".log"))
+    name = setting.slug + (f"-r{run}" if run else "")
+    job, result, log = (work_dir / f"{name}{ext}" for ext in (".job.json", ".result.json", ".log"))
     write_job(job, setting.system, setting_config, requests)
     result.unlink(missing_ok=True)
     failed = Measurement(setting.system, setting.max_num_seqs, setting.max_num_batched_tokens, requests=len(requests))
@@ -144,6 +158,13 @@ def _failure(returncode: int, log: Path) -> str:
     return lines[-1] if lines else f"exited with status {returncode}"
 
 
+def server_limits(url: str, api_key: str | None = None) -> dict:
+    """A running server's batch limits, as its ``GET /config`` reports them."""
+    with _client(url, api_key) as client:
+        config = _check(client.get("/config")).json()
+    return {"max_num_seqs": config["max_num_seqs"], "max_num_batched_tokens": config["max_num_batched_tokens"]}
+
+
 def run_server_sweep(
     url: str,
     requests: list[BenchRequest],
@@ -161,7 +182,7 @@ def run_server_sweep(
         model = _check(client.get("/v1/models")).json()["data"][0]["id"]
         bodies = [("/v1/completions", completion_body(model, r)) for r in requests]
 
-        def measure(setting: Setting) -> Measurement:
+        def measure(setting: Setting, run: int) -> Measurement:
             _set_limits(client, setting.max_num_seqs, setting.max_num_batched_tokens)
             before = _preemptions(client)
             wall, timings = asyncio.run(_load(url, bodies, api_key))
