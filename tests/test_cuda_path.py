@@ -52,7 +52,7 @@ def test_cli_device_cuda_without_a_gpu_is_a_one_line_error(capsys):
 def test_batch_limits_default_by_device_as_vllm_offline(monkeypatch, fake_cuda):
     from types import SimpleNamespace
 
-    cpu = EngineConfig()
+    cpu = EngineConfig(device="cpu")
     assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (256, 2048)
     fake_cuda()
     for name, gib, expected in [
