@@ -44,12 +44,12 @@ def layered_argv(tmp_path, monkeypatch, table: str, name: str, top: str, command
     return argv
 
 
-# "default": the device's (256 on the CPU, more on a large GPU).
+# "default": unset, for the engine's device to resolve (256 on the CPU, more on a large GPU).
 @pytest.mark.parametrize(("top", "expected"), [("default", None), ("env", 7), ("file", 8), ("flag", 9)])
 def test_an_engine_field_comes_from_the_highest_layer_that_sets_it(tmp_path, monkeypatch, top, expected):
     command = ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl"]
     argv = layered_argv(tmp_path, monkeypatch, "engine", "max_num_seqs", top, command)
-    assert engine_config_from_args(parse(*argv)).max_num_seqs == (expected or EngineConfig().max_num_seqs)
+    assert engine_config_from_args(parse(*argv)).max_num_seqs == expected
 
 
 @pytest.mark.parametrize(("top", "expected"), [("default", 1024), ("env", 7), ("file", 8), ("flag", 9)])
@@ -98,7 +98,7 @@ def test_an_empty_environment_variable_is_unset(monkeypatch):
     monkeypatch.setenv("QWENBATCH_PORT", "")
     monkeypatch.setenv("QWENBATCH_MAX_NUM_SEQS", " ")
     assert serve_options(parse("serve")).port == 8000
-    assert engine_config_from_args(parse("serve")).max_num_seqs == EngineConfig().max_num_seqs
+    assert engine_config_from_args(parse("serve")).max_num_seqs is None  # unset: the device's default
 
 
 @pytest.mark.parametrize(

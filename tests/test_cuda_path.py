@@ -53,7 +53,9 @@ def test_batch_limits_default_by_device_as_vllm_offline(monkeypatch, fake_cuda):
     from types import SimpleNamespace
 
     cpu = EngineConfig(device="cpu")
-    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (256, 2048)
+    assert (cpu.resolved_max_num_seqs, cpu.resolved_max_num_batched_tokens) == (256, 2048)
+    made_here = EngineConfig()  # device auto, limits unset: a Ray driver's config, say
+    assert (made_here.max_num_seqs, made_here.max_num_batched_tokens) == (None, None)
     fake_cuda()
     for name, gib, expected in [
         ("NVIDIA H200", 140, (1024, 16384)),
@@ -63,9 +65,11 @@ def test_batch_limits_default_by_device_as_vllm_offline(monkeypatch, fake_cuda):
         props = SimpleNamespace(name=name, total_memory=gib * 2**30)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, props=props: props)
         config = EngineConfig(device="cuda")
-        assert (config.max_num_seqs, config.max_num_batched_tokens) == expected, name
-        assert EngineConfig(device="cuda", max_num_seqs=8).max_num_seqs == 8
-        assert EngineConfig(device="cuda", max_num_batched_tokens=512).max_num_batched_tokens == 512
+        assert (config.resolved_max_num_seqs, config.resolved_max_num_batched_tokens) == expected, name
+        # Unset limits resolve where the engine runs: the driver's config on a replica with this GPU.
+        assert (made_here.resolved_max_num_seqs, made_here.resolved_max_num_batched_tokens) == expected, name
+        assert EngineConfig(device="cuda", max_num_seqs=8).resolved_max_num_seqs == 8
+        assert EngineConfig(device="cuda", max_num_batched_tokens=512).resolved_max_num_batched_tokens == 512
 
 
 def test_cuda_defaults_to_bfloat16_and_triton(fake_cuda):

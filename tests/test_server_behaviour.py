@@ -591,8 +591,8 @@ def test_get_config_reports_the_engine_settings(guarded, tiny_qwen3):
         "model": str(tiny_qwen3),
         "dtype": "float32",
         "max_model_len": MAX_MODEL_LEN,
-        "max_num_seqs": EngineConfig().max_num_seqs,  # the defaults: the fixture sets neither
-        "max_num_batched_tokens": EngineConfig().max_num_batched_tokens,
+        "max_num_seqs": EngineConfig().resolved_max_num_seqs,  # this device's defaults: the fixture sets neither
+        "max_num_batched_tokens": EngineConfig().resolved_max_num_batched_tokens,
         "block_size": 16,
         "num_kv_blocks": bm.num_blocks,
         "num_kv_tokens": bm.num_blocks * 16,

@@ -94,7 +94,8 @@ class EngineConfig:
     # kernels (which it would only see as opaque calls); off by default (BENCHMARKS.md: it decodes slower).
     compile: bool = False
     max_model_len: int | None = None  # default: the model's context length, capped by the KV pool
-    # Unset: batch_defaults(device), resolved at construction (always an int afterwards).
+    # Unset: the defaults of the device the engine runs on (``batch_defaults``), resolved there, not where the
+    # config is made (a Ray driver on a CPU may start replicas on GPUs): read them as ``resolved_*``.
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     block_size: int = 16
@@ -120,10 +121,6 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
-        if self.max_num_seqs is None or self.max_num_batched_tokens is None:
-            seqs, tokens = batch_defaults(self.resolved_device)
-            self.max_num_seqs = seqs if self.max_num_seqs is None else self.max_num_seqs
-            self.max_num_batched_tokens = tokens if self.max_num_batched_tokens is None else self.max_num_batched_tokens
         if self.quantization == "int8" and self.resolved_device.type != "cpu":
             raise ValueError("quantization int8 runs on the CPU only (its kernel is CPU code)")
         if self.cpu_kernels not in CPU_KERNELS:
@@ -141,7 +138,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {util!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if (value is not None or name == "block_size") and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
@@ -167,6 +164,16 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def resolved_max_num_seqs(self) -> int:
+        """Most sequences in one step: as set, else the device's default."""
+        return self.max_num_seqs or batch_defaults(self.resolved_device)[0]
+
+    @property
+    def resolved_max_num_batched_tokens(self) -> int:
+        """A step's token budget: as set, else the device's default."""
+        return self.max_num_batched_tokens or batch_defaults(self.resolved_device)[1]
 
     @property
     def resolved_attention_backend(self) -> str:

@@ -29,9 +29,9 @@ class LLM:
     """
 
     def __init__(self, model: str = "default", **kwargs) -> None:
-        self.config = EngineConfig(model=model, **kwargs)
         started = time.perf_counter()
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.config = self.engine.config  # with the batch limits the device resolved
         logger.info("model %s ready in %.1f s", model, time.perf_counter() - started)
         self._ids = itertools.count()
 

@@ -124,7 +124,7 @@ def in_process_backend(engine_config: EngineConfig, lookahead: int | None = None
     # The queue bound is the job's own in-flight limit (capacity).
     engine = AsyncEngine(lambda: LLMEngine(engine_config), max_waiting_seqs=2**31)
     # Enough requests in flight to keep every batch slot busy, few enough to keep memory flat.
-    capacity = lookahead or 2 * engine_config.max_num_seqs
+    capacity = lookahead or 2 * engine_config.resolved_max_num_seqs
     return ServingBackend(OpenAIServingAPI(engine, ["batch"]), capacity, own_engine=True)
 
 

@@ -46,7 +46,7 @@ def throughput_report(
     if llama_cpp:
         from qwenbatch.bench.llama_cpp import run_llama_cpp
 
-        base = run_llama_cpp(config.model, requests, config.max_num_seqs)
+        base = run_llama_cpp(config.model, requests, config.resolved_max_num_seqs)
         results.append(base)
         report["ratio_output_tps_llama_cpp"] = ours.output_tps / base.output_tps
     # The matmul rate again after the runs; the better of the two is the machine's rate.

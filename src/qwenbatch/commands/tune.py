@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         check_loopback(args.server)
     # The budget the engine runs with: against a server, its own (this machine's default may differ from its).
     own = server_limits(args.server, args.api_key)["max_num_batched_tokens"] if args.server else None
-    budgets = args.sweep_budgets or [own or config.max_num_batched_tokens]
+    budgets = args.sweep_budgets or [own or config.resolved_max_num_batched_tokens]
     analysis = analyze(workload.prompt_lengths, args.sweep_seqs, model_len)
     settings = settings_grid(args.sweep_seqs, budgets, args.compare_static)
     if args.server:

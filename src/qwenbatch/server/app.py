@@ -105,7 +105,7 @@ def build_app(
         app.state.store = BatchStore(settings.data_dir or cache_root() / "server", quota)
         # Batch lines in flight: enough to fill every batch slot, few enough to leave the waiting queue
         # (and, with priority, the seats) to interactive requests.
-        capacity = max(1, min(2 * engine_config.max_num_seqs, settings.max_waiting_seqs // 2))
+        capacity = max(1, min(2 * engine_config.resolved_max_num_seqs, settings.max_waiting_seqs // 2))
         worker = BatchWorker(serving, app.state.store, capacity, settings.max_body_bytes)
         app.state.batch_worker = worker
         metrics.track_batch_worker(lambda: worker.state)

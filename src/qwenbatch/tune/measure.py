@@ -121,8 +121,8 @@ def measure_engine(config: EngineConfig, requests: list[BenchRequest]) -> Measur
     peak_memory = gpu_memory_report(gpu, engine, peak_kv)["gpu_memory_needed_mib"] if on_gpu else rss.peak_mib
     return Measurement(
         "qwenbatch",
-        config.max_num_seqs,
-        config.max_num_batched_tokens,
+        config.resolved_max_num_seqs,
+        config.resolved_max_num_batched_tokens,
         requests=len(requests),
         failed=failed,
         prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
@@ -153,10 +153,10 @@ def measure_static(config: EngineConfig, requests: list[BenchRequest]) -> Measur
 
     model = load_hf_model(resolve_model_dir(config.model), config.torch_dtype)
     with PeakRSS() as rss:
-        run = run_static(model, requests, config.max_num_seqs, pad_token_id(model))
+        run = run_static(model, requests, config.resolved_max_num_seqs, pad_token_id(model))
     return Measurement(
         "transformers",
-        config.max_num_seqs,
+        config.resolved_max_num_seqs,
         None,
         requests=len(requests),
         prompt_tokens=run.prompt_tokens,

@@ -124,7 +124,7 @@ def measure_in_child(
     setting_config = dataclasses.replace(
         config,
         max_num_seqs=setting.max_num_seqs,
-        max_num_batched_tokens=setting.max_num_batched_tokens or config.max_num_batched_tokens,
+        max_num_batched_tokens=setting.max_num_batched_tokens or config.resolved_max_num_batched_tokens,
     )
     name = setting.slug + (f"-r{run}" if run else "")
     job, result, log = (work_dir / f"{name}{ext}" for ext in (".job.json", ".result.json", ".log"))
