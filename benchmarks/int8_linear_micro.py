@@ -28,10 +28,8 @@ def best_of(fn, repeats: int = 7) -> float:
     return min(times)
 
 
-def main() -> None:
-    torch.manual_seed(0)
-    layers, k, n = 24, 896, 9728
-    dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+def q5_0_linears(k: int, n: int, layers: int) -> list[nn.Linear]:
+    """``layers`` float32 linears [n, k] whose weights are Q5_0 blocks (as the default model's gate / up)."""
     dense = []
     for _ in range(layers):
         values = torch.randint(-16, 16, (n, k), dtype=torch.int8)
@@ -39,6 +37,14 @@ def main() -> None:
         linear = nn.Linear(k, n, bias=False)
         linear.weight.data = dequantize(values, torch.rand(n, k // GROUP_SIZE).half() * 0.01)
         dense.append(linear)
+    return dense
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    layers, k, n = 24, 896, 9728
+    dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    dense = q5_0_linears(k, n, layers)
     int8 = [Int8Linear(d, five_bit=False) for d in dense]
     five = [Int8Linear(d, five_bit=True) for d in dense]
     packed = [PackedLinear(d.to(dtype)) for d in dense]

@@ -66,10 +66,16 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
 def kernels(target: str = "native"):
     """The compiled module. ``native`` builds for this CPU (the int8 linear's VNNI kernel where the CPU
     has AVX-512 VNNI, else its AVX2 one, else plain loops); ``avx2`` and ``portable`` force the others."""
+    return build(_CSRC, target)
+
+
+def build(csrc: Path, target: str = "native"):
+    """The module built from the sources in ``csrc`` (a copy of ``csrc/`` as another commit had it, for
+    benchmarks that run two versions of the kernels side by side in one process), or loaded from the cache."""
     from torch.utils.cpp_extension import get_default_build_root, load
 
     # The sources are in the key too: torch rebuilds when a .cpp changes, but not when only a header does.
-    sources = b"".join(path.read_bytes() for path in sorted(_CSRC.iterdir()))
+    sources = b"".join(path.read_bytes() for path in sorted(csrc.iterdir()))
     key = hashlib.sha256((_cpu_flags() if target == "native" else target).encode() + sources).hexdigest()[:12]
     name = f"qwenbatch_cpu_kernels_{key}"
     build_dir = Path(get_default_build_root()) / name
@@ -78,7 +84,7 @@ def kernels(target: str = "native"):
         with _build_lock(build_dir):
             module = load(
                 name=name,
-                sources=[str(_CSRC / source) for source in _SOURCES],
+                sources=[str(csrc / source) for source in _SOURCES],
                 extra_cflags=["-O3", "-fopenmp", _TARGETS[target]],
                 extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch has loaded: one OpenMP pool
                 build_directory=str(build_dir),
