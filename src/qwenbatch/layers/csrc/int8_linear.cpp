@@ -397,12 +397,69 @@ inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8
   }
 }
 
+// One row of x against T tiles of widened u5 bytes (the kU5Bytes layout: prefill chunks and decode steps of more
+// than 2 rows). Zen 3 issues ~1 vpmaddubsw a cycle when each is fed by its own broadcast of x from memory and ~1.25
+// from registers, so here each broadcast feeds 2T of them, the weights read straight from L1 as memory operands:
+// 1.3x the two-rows-one-tile kernel's multiply-adds a cycle in a harness of the inner loops (27.7 against 21.4),
+// but only 1.03-1.07x in the whole linear (benchmarks/kernel_ab.py, gate_up at 16-2,048 rows, AVX2 kind), where
+// the rest of the call (stores into a 10 MB y, the other thread's share of a noisy host) weighs more.
+template <int T>
+inline void u5_row_kernel(const QuantizedX& xq, int64_t m, int64_t K, const uint8_t* w, const c10::Half* s,
+                          const Output& out, int64_t n0) {
+  const int64_t G = K / kGroup;
+  const int64_t tile_bytes = kTileRows * K;
+  const int8_t* xm = xq.q.data() + m * K;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[2 * T];
+  for (int h = 0; h < 2 * T; ++h) acc[h] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i dot[2 * T];
+    // Four chunks' u5 * x pair sums fit int16 (see tile_kernel): two runs of four chunks per group.
+    for (int q = 0; q < 2; ++q) {
+      __m256i sum16[2 * T];
+      for (int h = 0; h < 2 * T; ++h) sum16[h] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const int64_t chunk = g * (kGroup / 4) + q * 4 + c;
+        const __m256i xb = _mm256_set1_epi32(load4(xm + chunk * 4));
+        for (int h = 0; h < 2 * T; ++h) {
+          const auto* wp = reinterpret_cast<const __m256i*>(w + (h / 2) * tile_bytes + chunk * 64 + 32 * (h % 2));
+          sum16[h] = _mm256_add_epi16(sum16[h], _mm256_maddubs_epi16(_mm256_loadu_si256(wp), xb));
+        }
+      }
+      for (int h = 0; h < 2 * T; ++h) {
+        const __m256i d = _mm256_madd_epi16(sum16[h], ones);
+        dot[h] = q == 0 ? d : _mm256_add_epi32(dot[h], d);
+      }
+    }
+    const int64_t mg = m * G + g;
+    const __m256i offset = _mm256_srai_epi32(_mm256_set1_epi32(xq.bias[mg]), 3);  // 16 * sum(q_x)
+    const __m256 xs = _mm256_set1_ps(xq.scale[mg]);
+    for (int h = 0; h < 2 * T; ++h) {
+      const c10::Half* sg = s + (h / 2) * G * kTileRows + g * kTileRows + 8 * (h % 2);
+      const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg)));
+      acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot[h], offset)), _mm256_mul_ps(ws, xs), acc[h]);
+    }
+  }
+  alignas(32) float v[kTileRows];
+  for (int t = 0; t < T; ++t) {
+    _mm256_store_ps(v, acc[2 * t]);
+    _mm256_store_ps(v + 8, acc[2 * t + 1]);
+    out.store16(m, n0 + t * kTileRows, v);
+  }
+}
+
 template <Layout L>
 inline void tiles_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
                          const Output& out, int64_t t0, int64_t t1) {
   const int64_t G = K / kGroup;
   const int64_t tile_bytes = kTileRows * K * (L == Layout::kQ5 ? 5 : 8) / 8;
-  for (int64_t t = t0; t < t1; ++t) {
+  int64_t t = t0;
+  if constexpr (L == Layout::kU5Bytes) {
+    for (; t + 2 <= t1; t += 2)
+      for (int64_t m = 0; m < M; ++m)
+        u5_row_kernel<2>(xq, m, K, w + (t - t0) * tile_bytes, s + t * G * kTileRows, out, t * kTileRows);
+  }
+  for (; t < t1; ++t) {
     const uint8_t* wt = w + (t - t0) * tile_bytes;
     const c10::Half* st = s + t * G * kTileRows;
     int64_t m = 0;
