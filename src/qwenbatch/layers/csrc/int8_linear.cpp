@@ -24,8 +24,10 @@
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -531,6 +533,28 @@ inline void task_kernel_q5(const QuantizedX& xq, int64_t M, int64_t K, const uin
 }
 #endif
 
+// Tasks are claimed by the threads in shrinking runs (OpenMP's guided schedule): a thread's first run is a
+// 1 / (2 * threads) share of what is left, the last ones a task each. at::parallel_for splits a range in equal
+// shares, and on a shared host one core is often slower for a while: the other then waits out the difference.
+class TaskClaims {
+ public:
+  TaskClaims(int64_t tasks, int64_t threads) : tasks_(tasks), threads_(std::max<int64_t>(1, threads)) {}
+
+  // The next run [begin, end), empty when all are taken.
+  std::pair<int64_t, int64_t> next() {
+    int64_t begin = next_.load(std::memory_order_relaxed), size;
+    do {
+      if (begin >= tasks_) return {tasks_, tasks_};
+      size = std::max<int64_t>(1, (tasks_ - begin) / (2 * threads_));
+    } while (!next_.compare_exchange_weak(begin, begin + size, std::memory_order_relaxed));
+    return {begin, begin + size};
+  }
+
+ private:
+  const int64_t tasks_, threads_;
+  std::atomic<int64_t> next_{0};
+};
+
 }  // namespace
 
 // x: [M, K] float32, bfloat16 or float16; w: packed uint8, N * K bytes (bits = 8) or N * K * 5 / 8 (bits = 5);
@@ -570,14 +594,19 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   const c10::Half* sp = scales.data_ptr<c10::Half>();
   const int64_t tiles = N / kTileRows;
   const int64_t tasks = (tiles + kTilesPerTask - 1) / kTilesPerTask;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  TaskClaims claim(tasks, at::get_num_threads());
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
     std::vector<uint8_t> scratch(bits == 5 ? kWidenTiles * kTileRows * K : 0);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t t0 = task * kTilesPerTask, t1 = std::min(tiles, t0 + kTilesPerTask);
-      if (bits == 8)
-        task_kernel(xq, M, K, wp + t0 * tile_bytes, sp, out, t0, t1);
-      else
-        task_kernel_q5(xq, M, K, wp + t0 * tile_bytes, sp, out, t0, t1, scratch.data());
+    for (;;) {
+      const auto [begin, end] = claim.next();
+      if (begin == end) break;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t t0 = task * kTilesPerTask, t1 = std::min(tiles, t0 + kTilesPerTask);
+        if (bits == 8)
+          task_kernel(xq, M, K, wp + t0 * tile_bytes, sp, out, t0, t1);
+        else
+          task_kernel_q5(xq, M, K, wp + t0 * tile_bytes, sp, out, t0, t1, scratch.data());
+      }
     }
   });
   return y;
