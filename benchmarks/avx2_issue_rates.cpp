@@ -48,13 +48,16 @@ int main() {
 #define MADDUBS(j) v##j = _mm256_maddubs_epi16(v##j, w);
 #define MADDWD(j) v##j = _mm256_madd_epi16(v##j, ones);
 #define ADDW(j) v##j = _mm256_add_epi16(v##j, w);
-#define ACC_REG(j) v##j = _mm256_add_epi16(v##j, _mm256_maddubs_epi16(w, xr));
-#define ACC_BCAST(j) v##j = _mm256_add_epi16(v##j, _mm256_maddubs_epi16(w, _mm256_set1_epi32(load4(p + 4 * j))));
+#define ACC_REG(j) v##j = _mm256_add_epi16(v##j, _mm256_maddubs_epi16(v##j, xr));
+#define ACC_BCAST(j) v##j = _mm256_add_epi16(v##j, _mm256_maddubs_epi16(v##j, _mm256_set1_epi32(load4(p + 4 * j))));
   RATE("vpmaddubsw alone", MADDUBS)
   RATE("vpmaddwd alone", MADDWD)
   RATE("vpaddw alone", ADDW)
   RATE("vpmaddubsw + vpaddw, x in a register", ACC_REG)
   RATE("vpmaddubsw + vpaddw, x broadcast from memory", ACC_BCAST)
+#define ACC_BCASTSS(j)    \
+  v##j = _mm256_add_epi16(v##j, _mm256_maddubs_epi16(v##j, _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p + 4 * j)))));
+  RATE("vpmaddubsw + vpaddw, x by vbroadcastss", ACC_BCASTSS)
   int sum = 0;
 #define SUM(j) sum += _mm256_extract_epi32(v##j, 0);
   R12(SUM)
