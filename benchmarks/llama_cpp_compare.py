@@ -50,9 +50,10 @@ def llama_batched(npp: int, ntg: int, npl: list[int]) -> dict[int, dict]:
     return {row["pl"]: row for row in rows}
 
 
-def ours_parallel(llm: LLM, parallel: int, npp: int, ntg: int) -> float:
-    """Seconds for ``parallel`` prompts of ``npp`` random tokens and ``ntg`` outputs each, all queued at once."""
-    work = random_workload(parallel, (npp, npp), (ntg, ntg), seed=parallel)
+def ours_parallel(llm: LLM, parallel: int, npp: int, ntg: int, run: int = 0) -> float:
+    """Seconds for ``parallel`` prompts of ``npp`` random tokens and ``ntg`` outputs each, all queued at once. Each
+    ``run`` draws other prompts: a repeat of the same ones would find their prefixes cached."""
+    work = random_workload(parallel, (npp, npp), (ntg, ntg), seed=1000 * run + parallel)
     params = SamplingParams(temperature=0, max_tokens=ntg, ignore_eos=True)
     start = time.perf_counter()
     llm.generate([r.prompt_token_ids for r in work], params, use_tqdm=False)
@@ -96,6 +97,12 @@ def main() -> None:
         default=1,
         help="batch-1 decode: this many alternating llama.cpp / ours runs; the median of the pairs' ratios",
     )
+    parser.add_argument(
+        "--parallel-pairs",
+        type=int,
+        default=1,
+        help="P parallel sequences: this many llama.cpp / ours pairs, alternating; the median of the pairs' ratios",
+    )
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     parallel = [int(p) for p in args.parallel.split(",")]
@@ -123,24 +130,33 @@ def main() -> None:
     }
     ours_parallel(llm, 2, 32, 4)  # warm-up
     rows = []
-    theirs = llama_batched(256, 64, parallel)
     for p in parallel:
-        wall = ours_parallel(llm, p, 256, 64)
+        # Pairs of one run each, which side goes first alternating: on a shared host the speed drifts between
+        # minutes, and a pair's ratio is what survives it.
+        pairs = []
+        for i in range(args.parallel_pairs):
+            if i % 2:
+                wall = ours_parallel(llm, p, 256, 64, run=i)
+                theirs = llama_batched(256, 64, [p])[p]["t"]
+            else:
+                theirs = llama_batched(256, 64, [p])[p]["t"]
+                wall = ours_parallel(llm, p, 256, 64, run=i)
+            pairs.append({"ours_s": wall, "llama_cpp_s": theirs, "ratio": theirs / wall})
+        wall = statistics.median(pair["ours_s"] for pair in pairs)
         flops = 2 * (layer_params * p * (256 + 63) + head_params * p * 64)
         rows.append(
             {
                 "parallel": p,
                 "ours_s": wall,
-                "llama_cpp_s": theirs[p]["t"],
-                "ours_over_llama_cpp": theirs[p]["t"] / wall,
+                "llama_cpp_s": statistics.median(pair["llama_cpp_s"] for pair in pairs),
+                "ours_over_llama_cpp": statistics.median(pair["ratio"] for pair in pairs),
                 "ours_model_gflops": flops / wall / 1e9,
+                "pairs": pairs,
             }
         )
     report["parallel"] = rows
     # On a shared machine the speed drifts between runs: alternate the two, compare each pair.
-    pairs = [(theirs[1]["speed_tg"], ours_decode_tps(llm))]
-    for _ in range(args.batch1_pairs - 1):
-        pairs.append((llama_batched(256, 64, [1])[1]["speed_tg"], ours_decode_tps(llm)))
+    pairs = [(llama_batched(256, 64, [1])[1]["speed_tg"], ours_decode_tps(llm)) for _ in range(args.batch1_pairs)]
     decode_theirs = statistics.median(t for t, _ in pairs)
     decode_ours = statistics.median(o for _, o in pairs)
     weight_bytes = linear_weight_bytes(llm.engine.runner.model, dtype)
