@@ -400,8 +400,9 @@ inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8
 }
 
 // One row of x against T tiles of widened u5 bytes (the kU5Bytes layout: prefill chunks and decode steps of more
-// than 2 rows). Zen 3 issues ~1 vpmaddubsw a cycle when each is fed by its own broadcast of x from memory and ~1.25
-// from registers, so here each broadcast feeds 2T of them, the weights read straight from L1 as memory operands:
+// than 2 rows). Zen 3 issues ~1.2 vpmaddubsw (+ vpaddw) a cycle when each takes its own broadcast of x from memory
+// and ~1.6 from registers (benchmarks/avx2_issue_rates.cpp), so here each broadcast feeds 2T of them, the weights
+// read straight from L1 as memory operands:
 // 1.3x the two-rows-one-tile kernel's multiply-adds a cycle in a harness of the inner loops (27.7 against 21.4),
 // but only 1.03-1.07x in the whole linear (benchmarks/kernel_ab.py, gate_up at 16-2,048 rows, AVX2 kind), where
 // the rest of the call (stores into a 10 MB y, the other thread's share of a noisy host) weighs more.
