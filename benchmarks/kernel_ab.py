@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from int8_linear_micro import best_of, q5_0_linears
 
+from qwenbatch.config import cpu_has_native_bf16
 from qwenbatch.layers import cpu_kernels
 from qwenbatch.layers.int8_linear import Int8Linear
 
@@ -47,13 +48,23 @@ def main() -> None:
     parser.add_argument("--base", default="HEAD", help="the commit whose csrc/ is the baseline")
     parser.add_argument("--pairs", type=int, default=7)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 2048])
+    parser.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+        help="x's dtype; auto: the engine's --dtype auto on this CPU (bfloat16 where it multiplies it natively)",
+    )  # fmt: skip
     args = parser.parse_args()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        args.dtype, torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    )
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         base = cpu_kernels.build(sources_at(args.base, Path(tmp)))
     new = cpu_kernels.kernels()
     threads = torch.get_num_threads()
-    print(f"kernels: base {args.base} ({base.isa()}) against the working tree ({new.isa()}), {threads} threads")
+    print(
+        f"kernels: base {args.base} ({base.isa()}) against the working tree ({new.isa()}), {threads} threads, "
+        f"x in {dtype}"
+    )
     shapes = {
         "gate_up 5-bit": q5_layers(896, 9728, five_bit=True, silu_and_mul=True),
         "down 8-bit": q5_layers(4864, 896, five_bit=False, silu_and_mul=False),
@@ -62,7 +73,7 @@ def main() -> None:
     for label, layers in shapes.items():
         for m in args.rows:
             used = layers[: max(1, min(LAYERS, 64 // m))]  # large M: a few layers, compute-bound anyway
-            x = torch.randn(m, layers[0].in_features)
+            x = torch.randn(m, layers[0].in_features).to(dtype)
 
             def run(module, used=used, x=x) -> None:
                 for layer in used:
