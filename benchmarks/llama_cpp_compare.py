@@ -105,15 +105,15 @@ def main() -> None:
     )
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
-    parallel = [int(p) for p in args.parallel.split(",")]
-    prefill_lens = [int(n) for n in args.prefill_lens.split(",")]
+    parallel = [int(p) for p in args.parallel.split(",") if p]  # "" for none
+    prefill_lens = [int(n) for n in args.prefill_lens.split(",") if n]
 
     llm = LLM(
         model="default",
         dtype=args.dtype,
         quantization=args.quantization,
-        max_num_seqs=max(parallel),
-        max_model_len=max(prefill_lens) + 64,
+        max_num_seqs=max(parallel, default=2),
+        max_model_len=max(prefill_lens, default=256) + 64,
     )
     dtype = llm.engine.dtype
     layer_params, head_params = matmul_params(llm.engine.model_config)
@@ -155,20 +155,21 @@ def main() -> None:
             }
         )
     report["parallel"] = rows
-    # On a shared machine the speed drifts between runs: alternate the two, compare each pair.
-    pairs = [(llama_batched(256, 64, [1])[1]["speed_tg"], ours_decode_tps(llm)) for _ in range(args.batch1_pairs)]
-    decode_theirs = statistics.median(t for t, _ in pairs)
-    decode_ours = statistics.median(o for _, o in pairs)
-    weight_bytes = linear_weight_bytes(llm.engine.runner.model, dtype)
-    report["batch1_decode"] = {
-        "pairs_tps": [{"llama_cpp": t, "ours": o} for t, o in pairs],
-        "ours_tps": decode_ours,
-        "llama_cpp_tps": decode_theirs,
-        "ours_over_llama_cpp": statistics.median(o / t for t, o in pairs),
-        "weight_bytes_per_step": weight_bytes,
-        "ours_weight_read_gbs": weight_bytes * decode_ours / 1e9,
-        "fraction_of_read_bandwidth": weight_bytes * decode_ours / 1e9 / report["read_bandwidth_gbs"],
-    }
+    if args.batch1_pairs:
+        # On a shared machine the speed drifts between runs: alternate the two, compare each pair.
+        pairs = [(llama_batched(256, 64, [1])[1]["speed_tg"], ours_decode_tps(llm)) for _ in range(args.batch1_pairs)]
+        decode_theirs = statistics.median(t for t, _ in pairs)
+        decode_ours = statistics.median(o for _, o in pairs)
+        weight_bytes = linear_weight_bytes(llm.engine.runner.model, dtype)
+        report["batch1_decode"] = {
+            "pairs_tps": [{"llama_cpp": t, "ours": o} for t, o in pairs],
+            "ours_tps": decode_ours,
+            "llama_cpp_tps": decode_theirs,
+            "ours_over_llama_cpp": statistics.median(o / t for t, o in pairs),
+            "weight_bytes_per_step": weight_bytes,
+            "ours_weight_read_gbs": weight_bytes * decode_ours / 1e9,
+            "fraction_of_read_bandwidth": weight_bytes * decode_ours / 1e9 / report["read_bandwidth_gbs"],
+        }
     prefills = []
     for n in prefill_lens:
         prompt = random_workload(1, (n, n), (1, 1), seed=n)[0].prompt_token_ids
