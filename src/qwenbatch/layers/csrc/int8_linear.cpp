@@ -62,12 +62,13 @@ struct QuantizedX {
   std::vector<int32_t> bias;  // [M, G]: 128 * sum of q over the group
 };
 
-// Where results go: row m, columns [n, n + 16 * T) of T consecutive tiles, plus the bias, converted to the
-// output's dtype; or, for a gated MLP's gate_up (`silu_and_mul`, each tile's rows 8 of the gate then the same 8
-// of up), SiLU(gate) * up into columns [n / 2, n / 2 + 8 * T), rounded as the unfused layer rounds (gate and up
-// to the dtype, then as silu_and_mul does). Fused, the [M, N] intermediate is never written nor read back.
-// A row's tiles are stored together so that the conversions and SiLU run 8 * T lanes wide: one tile at a time,
-// 8 lanes of SiLU, cost gate_up 25% at 64 rows (AVX-512 BF16 kind, Zen 5).
+// Where results go: rows [m, m + R) and columns [n, n + 16 * T) of T consecutive tiles, plus the bias, converted
+// to the output's dtype; or, for a gated MLP's gate_up (`silu_and_mul`, each tile's rows 8 of the gate then the
+// same 8 of up), SiLU(gate) * up into columns [n / 2, n / 2 + 8 * T), rounded as the unfused layer rounds (gate and
+// up to the dtype, then as silu_and_mul does). Fused, the [M, N] intermediate is never written nor read back.
+// A row block's tiles are stored together so that the conversions and the SiLU (an exp and a divide: a long chain
+// of latencies) run R * 8 * T lanes wide. One tile of one row at a time, 8 lanes, cost gate_up 25% at 64 rows
+// (AVX-512 BF16 kind, Zen 5).
 struct Output {
   void* data;
   torch::ScalarType type;  // float32, bfloat16 or float16
@@ -75,37 +76,49 @@ struct Output {
   const float* bias;  // [N] or nullptr
   bool silu_and_mul;
 
-  // qb::from_f32 rounds as c10's conversion does, in code the compiler vectorizes.
-  template <int T, typename S>
+  // v: [R][16 * T]. qb::from_f32 rounds as c10's conversion does, in code the compiler vectorizes.
+  template <int R, int T, typename S>
   inline void store_as(int64_t m, int64_t n, const float* v) const {
     constexpr int kLanes = kTileRows * T;
-    alignas(64) float biased[kLanes];
+    alignas(64) float biased[R][kLanes];
+    for (int i = 0; i < R; ++i)
 #pragma omp simd
-    for (int r = 0; r < kLanes; ++r) biased[r] = v[r] + (bias ? bias[n + r] : 0.f);
+      for (int r = 0; r < kLanes; ++r) biased[i][r] = v[i * kLanes + r] + (bias ? bias[n + r] : 0.f);
     if (!silu_and_mul) {
-      S* p = static_cast<S*>(data) + m * ld + n;
+      for (int i = 0; i < R; ++i) {
+        S* p = static_cast<S*>(data) + (m + i) * ld + n;
 #pragma omp simd
-      for (int r = 0; r < kLanes; ++r) p[r] = qb::from_f32<S>(biased[r]);
+        for (int r = 0; r < kLanes; ++r) p[r] = qb::from_f32<S>(biased[i][r]);
+      }
       return;
     }
-    constexpr int kHalf = kTileRows / 2;
-    alignas(64) float gate[kLanes / 2], up[kLanes / 2];
-    for (int t = 0; t < T; ++t)
-      for (int r = 0; r < kHalf; ++r) {
-        gate[t * kHalf + r] = qb::to_f32(qb::from_f32<S>(biased[t * kTileRows + r]));
-        up[t * kHalf + r] = qb::to_f32(qb::from_f32<S>(biased[t * kTileRows + kHalf + r]));
-      }
-    S* p = static_cast<S*>(data) + m * ld + n / 2;
+    constexpr int kHalf = kTileRows / 2, kOut = kLanes / 2;
+    alignas(64) float gate[R * kOut], up[R * kOut];
+    for (int i = 0; i < R; ++i)
+      for (int t = 0; t < T; ++t)
+        for (int r = 0; r < kHalf; ++r) {
+          gate[i * kOut + t * kHalf + r] = qb::to_f32(qb::from_f32<S>(biased[i][t * kTileRows + r]));
+          up[i * kOut + t * kHalf + r] = qb::to_f32(qb::from_f32<S>(biased[i][t * kTileRows + kHalf + r]));
+        }
+    if constexpr (R == 1) {  // through a buffer, a decode step's single row ran 10% slower
+      S* p = static_cast<S*>(data) + m * ld + n / 2;
 #pragma omp simd
-    for (int r = 0; r < kLanes / 2; ++r) p[r] = qb::silu_times<S>(gate[r], up[r]);
+      for (int r = 0; r < kOut; ++r) p[r] = qb::silu_times<S>(gate[r], up[r]);
+    } else {
+      alignas(64) S result[R * kOut];
+#pragma omp simd
+      for (int r = 0; r < R * kOut; ++r) result[r] = qb::silu_times<S>(gate[r], up[r]);
+      for (int i = 0; i < R; ++i)
+        std::memcpy(static_cast<S*>(data) + (m + i) * ld + n / 2, result + i * kOut, sizeof(S) * kOut);
+    }
   }
 
-  template <int T = 1>
+  template <int R = 1, int T = 1>
   inline void store(int64_t m, int64_t n, const float* v) const {
     switch (type) {
-      case torch::kBFloat16: store_as<T, c10::BFloat16>(m, n, v); break;
-      case torch::kHalf: store_as<T, c10::Half>(m, n, v); break;
-      default: store_as<T, float>(m, n, v);
+      case torch::kBFloat16: store_as<R, T, c10::BFloat16>(m, n, v); break;
+      case torch::kHalf: store_as<R, T, c10::Half>(m, n, v); break;
+      default: store_as<R, T, float>(m, n, v);
     }
   }
 };
@@ -255,11 +268,10 @@ inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8
       }
     }
   }
-  alignas(64) float v[T * kTileRows];
-  for (int m = 0; m < MB; ++m) {
-    for (int t = 0; t < T; ++t) _mm512_store_ps(v + t * kTileRows, acc[m][t]);
-    out.store<T>(m0 + m, n0, v);
-  }
+  alignas(64) float v[MB * T * kTileRows];
+  for (int m = 0; m < MB; ++m)
+    for (int t = 0; t < T; ++t) _mm512_store_ps(v + (m * T + t) * kTileRows, acc[m][t]);
+  out.store<MB, T>(m0, n0, v);
 }
 
 template <bool Q5, int T>
@@ -409,12 +421,12 @@ inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8
       acc[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][1]), _mm256_mul_ps(ws1, xs), acc[m][1]);
     }
   }
-  alignas(32) float v[kTileRows];
+  alignas(32) float v[MB * kTileRows];
   for (int m = 0; m < MB; ++m) {
-    _mm256_store_ps(v, acc[m][0]);
-    _mm256_store_ps(v + 8, acc[m][1]);
-    out.store(m0 + m, n0, v);
+    _mm256_store_ps(v + m * kTileRows, acc[m][0]);
+    _mm256_store_ps(v + m * kTileRows + 8, acc[m][1]);
   }
+  out.store<MB>(m0, n0, v);
 }
 
 // One row of x against T tiles of widened u5 bytes (the kU5Bytes layout: prefill chunks and decode steps of more
@@ -463,7 +475,7 @@ inline void u5_row_kernel(const QuantizedX& xq, int64_t m, int64_t K, const uint
   }
   alignas(32) float v[T * kTileRows];
   for (int h = 0; h < 2 * T; ++h) _mm256_store_ps(v + 8 * h, acc[h]);
-  out.store<T>(m, n0, v);
+  out.store<1, T>(m, n0, v);
 }
 
 template <Layout L>
