@@ -47,6 +47,12 @@ constexpr int64_t kStreamRows = 8;  // up to this many rows of x, a linear strea
 inline const uint8_t* q5_nibbles(const uint8_t* tile, int64_t c) { return tile + (c / 8) * kQ5GroupBytes + (c % 8) / 2 * 64; }
 inline const uint8_t* q5_fifth(const uint8_t* tile, int64_t c) { return tile + (c / 8) * kQ5GroupBytes + 256 + (c % 8) * 8; }
 
+// Asks for the weight stream kPrefetchBytes past [p, p + bytes) into L2.
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + line), _MM_HINT_T1);
+}
+
 // Four bytes of x as one int32, to be broadcast. Loaded 4 bytes at a time so that the compiler broadcasts
 // straight from memory (a load, no vector ALU op); two chunks read as one 8-byte word went through a general
 // register, a vmovd and a vpbroadcastd each: a quarter of the AVX2 kernel's vector ops (AVX2 kind, in-process
@@ -155,11 +161,13 @@ QuantizedX quantize_rows(const T* x, int64_t M, int64_t K) {
   return out;
 }
 
-// Widens one tile of 5-bit weights (10 * K bytes) into the int8 layout (16 * K bytes, u = q + 128).
+// Widens one tile of 5-bit weights (10 * K bytes) into the int8 layout (16 * K bytes, u = q + 128). The widening
+// pass is the tile's one read from memory: prefetched, or it stalled on each group (10% of a 16-row decode step).
 inline void widen_q5_tile(const uint8_t* src, int64_t K, uint8_t* dst) {
 #if defined(__AVX512BW__)
   const __m512i low4 = _mm512_set1_epi8(0x0F), base = _mm512_set1_epi8(0x70), sixteen = _mm512_set1_epi8(16);
   for (int64_t c = 0; c < K / 4; c += 2) {
+    if (c % 8 == 0) prefetch_ahead(src + c / 8 * kQ5GroupBytes, kQ5GroupBytes);
     const __m512i nib = _mm512_loadu_si512(reinterpret_cast<const void*>(q5_nibbles(src, c)));
     // (nib & 0x0F) | 0x70 is nib + 112; adding 16 where the fifth bit is set makes u5 + 112 = q + 128.
     __m512i a = _mm512_ternarylogic_epi32(nib, low4, base, 0xEA);
@@ -237,10 +245,7 @@ inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8
   constexpr int64_t kGroupBytes = kTileRows * kGroup * (Q5 ? 5 : 8) / 8;
   const int64_t tile_bytes = kTileRows * K * (Q5 ? 5 : 8) / 8;
   for (int64_t g = 0; g < G; ++g) {
-    for (int t = 0; t < T && prefetch; ++t)
-      for (int64_t line = 0; line < kGroupBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w + t * tile_bytes + g * kGroupBytes + kPrefetchBytes + line),
-                     _MM_HINT_T1);
+    for (int t = 0; t < T && prefetch; ++t) prefetch_ahead(w + t * tile_bytes + g * kGroupBytes, kGroupBytes);
     __m512i dot[MB][T][C];
     for (int m = 0; m < MB; ++m)
       for (int t = 0; t < T; ++t)
@@ -518,6 +523,7 @@ inline void task_kernel_q5(const QuantizedX& xq, int64_t M, int64_t K, const uin
       [&](const uint8_t* wt, int64_t t, int64_t te) { tiles_kernel<Layout::kU5Bytes>(xq, M, K, wt, s, out, t, te); },
       [](const uint8_t* src, int64_t K, uint8_t* dst) {
         for (int64_t c = 0; c < K / 4; c += 2) {
+          if (c % 8 == 0) prefetch_ahead(src + c / 8 * kQ5GroupBytes, kQ5GroupBytes);
           __m256i u5[2][2];
           load_chunk_pair<Layout::kQ5>(src, c, u5);
           for (int i = 0; i < 2; ++i)
