@@ -124,3 +124,16 @@ def record_priorities(monkeypatch, inputs) -> list[int]:
 
     monkeypatch.setattr(inputs, "make_request", spy)
     return seen
+
+
+def slow_steps(monkeypatch, engine: LLMEngine, seconds: float) -> None:
+    """Every step of ``engine`` takes at least ``seconds`` more from now on: a test that needs a batch to be still
+    running at some point gets that from its number of steps, not from how fast this machine runs the tiny model
+    (on a fast CPU, 40 lines of 48 tokens on 4 seats had finished before the check)."""
+    step = engine.step
+
+    def slowed():
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slowed)

@@ -18,7 +18,7 @@ from qwenbatch.llm import LLM
 from qwenbatch.sampling_params import SamplingParams
 from qwenbatch.server.app import ServerSettings
 from qwenbatch.server.guard import owner_id
-from server_harness import RunningServer, record_priorities, serve_process, wait_for
+from server_harness import RunningServer, record_priorities, serve_process, slow_steps, wait_for
 
 MODEL = "tiny"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -197,7 +197,8 @@ def test_metadata_comes_back_and_listing_pages_newest_first(client):
     assert everything.index(ids[2]) < everything.index(ids[1]) < everything.index(ids[0])
 
 
-def test_cancel_mid_run_stops_the_batch_and_keeps_what_is_done(client, server):
+def test_cancel_mid_run_stops_the_batch_and_keeps_what_is_done(client, server, monkeypatch):
+    slow_steps(monkeypatch, server.engine, 0.01)  # 640+ steps: the cancel lands mid-run on any machine
     batch = submit(client, [chat_line(i, max_tokens=64) for i in range(40)])
     wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2, "two lines done", 60)
     cancelling = client.batches.cancel(batch.id)
@@ -230,6 +231,7 @@ def test_each_api_key_sees_only_its_own_batches(client, other_client):
 
 def test_batch_lines_run_below_interactive_requests(client, server, monkeypatch):
     seen = record_priorities(monkeypatch, server.engine.inputs)
+    slow_steps(monkeypatch, server.engine, 0.01)  # the batch's 480+ steps take >= 4.8 s on any machine
     batch = submit(client, [chat_line(i, max_tokens=48) for i in range(40)])
     wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1, "a line done", 60)
     answer = client.chat.completions.create(
@@ -243,7 +245,8 @@ def test_batch_lines_run_below_interactive_requests(client, server, monkeypatch)
     run_to_end(client, batch.id)
 
 
-def test_another_keys_small_batch_finishes_while_a_large_one_runs(client, other_client, server):
+def test_another_keys_small_batch_finishes_while_a_large_one_runs(client, other_client, server, monkeypatch):
+    slow_steps(monkeypatch, server.engine, 0.01)  # the large batch's 512+ steps take >= 5 s on any machine
     large = submit(client, [chat_line(i, max_tokens=32) for i in range(64)])
     wait_for(lambda: client.batches.retrieve(large.id).request_counts.completed >= 1, "the large batch to run", 60)
     small = run_to_end(other_client, submit(other_client, [chat_line(i) for i in range(3)]).id)
