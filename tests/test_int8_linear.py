@@ -127,18 +127,19 @@ def test_5_bit_layout_gives_the_int8_layouts_result(target, n, k, m):
 @pytest.mark.parametrize("bits", [8, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 3, 9])
-def test_fused_silu_and_mul_equals_the_unfused_layer_bit_for_bit(target, bits, dtype, m):
+@pytest.mark.parametrize("n", [96, 80])  # 80: a task's last tile stored alone, not in a pair
+def test_fused_silu_and_mul_equals_the_unfused_layer_bit_for_bit(target, bits, dtype, m, n):
     # A gated MLP's gate_up with SiLU(gate) * up applied as the kernel stores each tile: the same values, in
     # every dtype, as the plain product followed by the silu_and_mul kernel.
     torch.manual_seed(bits * 100 + m)
-    values, scales = q5_0_blocks(96, 64)  # 48 gate rows, then 48 up rows
+    values, scales = q5_0_blocks(n, 64)  # n / 2 gate rows, then n / 2 up rows
     layout = pack_q5 if bits == 5 else pack
     ops = kernels(target)
-    x, bias = (torch.randn(m, 64) * 2).to(dtype), torch.randn(96)
-    unfused = ops.silu_and_mul(ops.int8_linear(x, *layout(values, scales), bias, 96, bits))
-    order = interleave_gate_up(96)
-    fused = ops.int8_linear(x, *layout(values[order], scales[order]), bias[order], 96, bits, True)
-    assert fused.shape == (m, 48) and fused.dtype == dtype
+    x, bias = (torch.randn(m, 64) * 2).to(dtype), torch.randn(n)
+    unfused = ops.silu_and_mul(ops.int8_linear(x, *layout(values, scales), bias, n, bits))
+    order = interleave_gate_up(n)
+    fused = ops.int8_linear(x, *layout(values[order], scales[order]), bias[order], n, bits, True)
+    assert fused.shape == (m, n // 2) and fused.dtype == dtype
     assert torch.equal(fused, unfused)
 
 
