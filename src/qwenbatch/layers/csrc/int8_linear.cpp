@@ -232,6 +232,17 @@ inline void load_chunk_pair(const uint8_t* w, int64_t K, int64_t c0, __m512i (&w
   }
 }
 
+// Asks for tile t's weight stream kPrefetchBytes past [offset, offset + bytes) into L2. Past the tile's end the
+// stream goes on in tile t + T, the one that takes its place in the next call (a task's tiles are consecutive):
+// stopping at the end left the next call's last tile to start cold, 2 KB of each 9 KB tile of the 5-bit gate_up.
+// (A group that straddles the end still asks for tile t + 1's head. Written with branches around the prefetch
+// loops, GCC 12 dropped every prefetch of the kernel as dead code.)
+template <int T>
+inline void prefetch_tile_ahead(const uint8_t* w, int64_t tile_bytes, int t, int64_t offset, int64_t bytes) {
+  const int64_t past_end = offset + kPrefetchBytes >= tile_bytes ? (T - 1) * tile_bytes : 0;
+  prefetch_ahead(w + t * tile_bytes + past_end + offset, bytes);
+}
+
 // MB rows of x against T tiles (16 * T weight rows, the first at column n0), all groups, into out.
 template <bool Q5, int MB, int T>
 inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8_t* w, const c10::Half* s,
@@ -245,7 +256,14 @@ inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8
   constexpr int64_t kGroupBytes = kTileRows * kGroup * (Q5 ? 5 : 8) / 8;
   const int64_t tile_bytes = kTileRows * K * (Q5 ? 5 : 8) / 8;
   for (int64_t g = 0; g < G; ++g) {
-    for (int t = 0; t < T && prefetch; ++t) prefetch_ahead(w + t * tile_bytes + g * kGroupBytes, kGroupBytes);
+    // Only the 5-bit layers' streams go on into the next call's tiles: their short tiles lost most by starting
+    // cold (one-row gate_up 1.07x, four rows 1.32x, Zen 5). The 8-bit down's 76 KB tiles read 0.87x that way.
+    for (int t = 0; t < T && prefetch; ++t) {
+      if constexpr (Q5)
+        prefetch_tile_ahead<T>(w, tile_bytes, t, g * kGroupBytes, kGroupBytes);
+      else
+        prefetch_ahead(w + t * tile_bytes + g * kGroupBytes, kGroupBytes);
+    }
     __m512i dot[MB][T][C];
     for (int m = 0; m < MB; ++m)
       for (int t = 0; t < T; ++t)
