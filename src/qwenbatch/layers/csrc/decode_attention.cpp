@@ -23,6 +23,9 @@ using qb::vec_exp;
 // The query heads of one KV head are the vector lanes, this many at a time (padded with zero heads), so neither
 // product needs a horizontal sum; scores are taken this many positions side by side (independent FMA chains).
 constexpr int64_t kLanes = 8, kPositions = 8;
+// How many blocks ahead of the one in use a task prefetches: from memory, 16 sequences x 450 positions took 367 us
+// a layer one block ahead, ~290 two ahead, 350-410 three or five ahead (benchmarks/decode_attention_micro.py, Zen 5).
+constexpr int64_t kBlocksAhead = 2;
 
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
@@ -41,7 +44,7 @@ struct Problem {
     return tables[s * max_blocks + b] * block_size * token_stride() + h * head_dim;
   }
   // The blocks are scattered, so the hardware prefetchers lose the stream at each one: ask for a block's K and V
-  // rows of a head while the one before is used. (Until GCC's dropping of __builtin_prefetch was found, these were
+  // rows of a head kBlocksAhead blocks before it is used. (Until GCC's dropping of __builtin_prefetch was found, these were
   // never issued: 16 sequences x 450 positions took 500 us a layer from memory, 367 with them, 204 from cache.)
   void prefetch_block(int64_t s, int64_t b, int64_t h) const {
     const int64_t at = head_offset(s, b, h), row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
@@ -114,7 +117,8 @@ void decode_attention_f32(const Problem<T>& pr) {
       std::fill(sum.begin(), sum.end(), 0.f);
       for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block_size) {
         const int64_t n = std::min(block_size, len - p0);
-        if (p0 + block_size < len) pr.prefetch_block(s, b + 1, h);
+        for (int64_t ahead = b == 0 ? 1 : kBlocksAhead; ahead <= kBlocksAhead; ++ahead)
+          if (p0 + ahead * block_size < len) pr.prefetch_block(s, b + ahead, h);
         const int64_t base = pr.head_offset(s, b, h);
         for (int64_t p = 0; p < n; ++p) {
           const T* kp = k_cache + base + p * token_stride;
