@@ -44,8 +44,8 @@ struct Problem {
     return tables[s * max_blocks + b] * block_size * token_stride() + h * head_dim;
   }
   // The blocks are scattered, so the hardware prefetchers lose the stream at each one: ask for a block's K and V
-  // rows of a head kBlocksAhead blocks before it is used. (Until GCC's dropping of __builtin_prefetch was found, these were
-  // never issued: 16 sequences x 450 positions took 500 us a layer from memory, 367 with them, 204 from cache.)
+  // rows of a head kBlocksAhead blocks before it is used. (Until GCC was found dropping __builtin_prefetch, these
+  // were never issued: 16 sequences x 450 positions took 500 us a layer from memory, 367 with them, 204 from cache.)
   void prefetch_block(int64_t s, int64_t b, int64_t h) const {
     const int64_t at = head_offset(s, b, h), row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
     const char* k = reinterpret_cast<const char*>(k_cache + at);
