@@ -18,6 +18,7 @@
 // of u5 = q + 16, one 64-byte block per two consecutive chunks (the first in the low nibble), then the 8
 // chunks' fifth bits, 64 bits little-endian each, bit b for byte b of the chunk: one stream of 10 * K bytes.
 #include "float_math.h"
+#include "prefetch.h"
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -54,7 +55,7 @@ inline const uint8_t* q5_fifth(const uint8_t* tile, int64_t c) { return tile + (
 // Asks for the weight stream `distance` bytes past [p, p + bytes) into L2.
 inline void prefetch_ahead(const uint8_t* p, int64_t bytes, int64_t distance = kPrefetchBytes) {
   for (int64_t line = 0; line < bytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p + distance + line), _MM_HINT_T1);
+    qb::prefetch_l2(p + distance + line);
 }
 
 // Four bytes of x as one int32, to be broadcast. Loaded 4 bytes at a time so that the compiler broadcasts
@@ -240,8 +241,7 @@ inline void load_chunk_pair(const uint8_t* w, int64_t K, int64_t c0, __m512i (&w
 // Asks for tile t's weight stream kPrefetchBytes past [offset, offset + bytes) into L2. Past the tile's end the
 // stream goes on in tile t + T, the one that takes its place in the next call (a task's tiles are consecutive):
 // stopping at the end left the next call's last tile to start cold, 2 KB of each 9 KB tile of the 5-bit gate_up.
-// (A group that straddles the end still asks for tile t + 1's head. Written with branches around the prefetch
-// loops, GCC 12 dropped every prefetch of the kernel as dead code.)
+// (A group that straddles the end still asks for tile t + 1's head.)
 template <int T>
 inline void prefetch_tile_ahead(const uint8_t* w, int64_t tile_bytes, int t, int64_t offset, int64_t bytes) {
   const int64_t past_end = offset + kPrefetchBytes >= tile_bytes ? (T - 1) * tile_bytes : 0;
