@@ -2,7 +2,8 @@
 // block tables from the paged KV cache in place (no per-step gather of the context), in one pass with the softmax
 // taken online: each block converted to float32 in L1, plain FMAs, for every dtype and CPU. (A second kernel on the
 // stored bf16 values with AVX512-BF16's pair dot products ran 1.8x faster from cache but no faster end to end: a
-// real step finds its KV in memory, and waits on it. BENCHMARKS.md, issue 15's sixth and seventh sessions.)
+// real step finds its KV in memory, and waits on it. BENCHMARKS.md, issue 15's sixth and seventh sessions. That was
+// measured while GCC dropped this kernel's prefetches; with them, from memory takes 1.4-1.5x from cache, not 2.5x.)
 #include "float_math.h"
 #include "ops.h"
 #include "prefetch.h"
