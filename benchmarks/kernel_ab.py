@@ -6,6 +6,9 @@ is what survives a noisy host. Small M cycle 24 distinct matrices so that weight
 Never run by CI.
 
     .venv/bin/python benchmarks/kernel_ab.py --base HEAD --pairs 7
+
+``--target avx2 --dtype float32`` runs the AVX2 kind's kernels (as that kind runs them, on float32 x) on an
+AVX-512 CPU: a check that a change shared by both kinds does not slow the other one, not its figures.
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=7)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 2048])
     parser.add_argument(
+        "--target", choices=["native", "avx2", "portable"], default="native",
+        help="the build target of both versions: avx2 runs the AVX2 kind's kernels on an AVX-512 CPU",
+    )  # fmt: skip
+    parser.add_argument(
         "--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
         help="x's dtype; auto: the engine's --dtype auto on this CPU (bfloat16 where it multiplies it natively)",
     )  # fmt: skip
@@ -58,8 +65,8 @@ def main() -> None:
     )
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        base = cpu_kernels.build(sources_at(args.base, Path(tmp)))
-    new = cpu_kernels.kernels()
+        base = cpu_kernels.build(sources_at(args.base, Path(tmp)), args.target)
+    new = cpu_kernels.kernels(args.target)
     threads = torch.get_num_threads()
     print(
         f"kernels: base {args.base} ({base.isa()}) against the working tree ({new.isa()}), {threads} threads, "
