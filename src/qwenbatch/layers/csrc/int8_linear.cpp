@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -135,32 +136,106 @@ struct Output {
   }
 };
 
+// One group of 32 values of x, quantized: q = round(x * 127 / max |x|) (to nearest even), the scale max |x| / 127,
+// and sum(q). The SIMD versions compute exactly what the plain loop does; GCC left the plain loop's maximum and
+// conversions partly scalar, and quantizing x was ~8% of an 8-bit down at 256 rows (AVX-512, perf).
+struct GroupScale {
+  float scale;
+  int32_t sum;
+};
+
+inline GroupScale scale_of(float amax) { return {amax / 127.f, 0}; }
+inline float inverse_of(float amax) { return amax > 0.f ? 127.f / amax : 0.f; }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+template <typename T>
+inline __m512 load16(const T* x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(x);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  }
+}
+
+template <typename T>
+inline GroupScale quantize_group(const T* x, int8_t* q) {
+  const __m512 a = load16(x), b = load16(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 inv = _mm512_set1_ps(inverse_of(amax));
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  GroupScale out = scale_of(amax);
+  out.sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  return out;
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+template <typename T>
+inline __m256 load8(const T* x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(x);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  }
+}
+
+template <typename T>
+inline GroupScale quantize_group(const T* x, int8_t* q) {
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = load8(x + 8 * i);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1]));
+  m = _mm256_max_ps(m, _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float amax = _mm_cvtss_f32(h);
+  const __m256 inv = _mm256_set1_ps(inverse_of(amax));
+  __m256i qi[4];
+  for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  // The packs interleave 128-bit lanes: bytes come out as 4-value runs of q0 q1 q2 q3 (low halves), then the high.
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  GroupScale out = scale_of(amax);
+  out.sum = _mm_cvtsi128_si32(s4);
+  return out;
+}
+#else
+template <typename T>
+inline GroupScale quantize_group(const T* x, int8_t* q) {
+  float xs[kGroup], amax = 0.f;
+  for (int64_t i = 0; i < kGroup; ++i) xs[i] = qb::to_f32(x[i]);
+  for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(xs[i]));
+  const float inv = inverse_of(amax);
+  GroupScale out = scale_of(amax);
+  for (int64_t i = 0; i < kGroup; ++i) {
+    q[i] = static_cast<int8_t>(std::nearbyint(xs[i] * inv));
+    out.sum += q[i];
+  }
+  return out;
+}
+#endif
+
 template <typename T>
 QuantizedX quantize_rows(const T* x, int64_t M, int64_t K) {
   const int64_t G = K / kGroup;
   QuantizedX out{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<int32_t>(M * G)};
   at::parallel_for(0, M * G, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t mg = begin; mg < end; ++mg) {
-      float xs[kGroup];  // rows are contiguous, so (m, g) is group m * G + g of x
-      for (int64_t i = 0; i < kGroup; ++i) xs[i] = qb::to_f32(x[mg * kGroup + i]);
-      // GCC leaves a max reduction scalar (32 dependent vmaxss): lane maxima first, then halves folded.
-      float lanes[kGroup / 2];
-#pragma omp simd
-      for (int64_t i = 0; i < kGroup / 2; ++i) lanes[i] = std::max(std::fabs(xs[i]), std::fabs(xs[i + kGroup / 2]));
-      for (int64_t width = kGroup / 4; width >= 1; width /= 2)
-#pragma omp simd
-        for (int64_t i = 0; i < width; ++i) lanes[i] = std::max(lanes[i], lanes[i + width]);
-      const float amax = lanes[0];
-      const float scale = amax / 127.f;
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      int8_t* q = out.q.data() + mg * kGroup;
-      for (int64_t i = 0; i < kGroup; ++i) {
-        q[i] = static_cast<int8_t>(std::nearbyint(xs[i] * inv));
-        sum += q[i];
-      }
-      out.scale[mg] = scale;
-      out.bias[mg] = 128 * sum;
+    for (int64_t mg = begin; mg < end; ++mg) {  // rows are contiguous, so (m, g) is group m * G + g of x
+      const GroupScale group = quantize_group(x + mg * kGroup, out.q.data() + mg * kGroup);
+      out.scale[mg] = group.scale;
+      out.bias[mg] = 128 * group.sum;
     }
   });
   return out;
