@@ -38,7 +38,7 @@ from qwenbatch.commands.serve import api_keys, serve_options
 from qwenbatch.config import EngineConfig
 from qwenbatch.server.app import ServerSettings
 from qwenbatch.server.guard import owner_id
-from server_harness import RunningServer
+from server_harness import RunningServer, slow_steps
 
 KEY_A, KEY_B, KEY_LISTER = "key-a", "key-b", "key-lister"
 BODY_LIMIT = 4096
@@ -620,12 +620,13 @@ def test_a_key_at_its_open_batch_quota_is_refused_until_one_finishes(tmp_path):
     assert len(store.list_batches("alice")) == 3
 
 
-def test_the_server_answers_429_naming_the_flag_of_the_quota(tiny_qwen3, tmp_path):
+def test_the_server_answers_429_naming_the_flag_of_the_quota(tiny_qwen3, tmp_path, monkeypatch):
     settings = ServerSettings(
         served_model_names=["tiny"], data_dir=tmp_path / "data", max_files_per_key=2, max_open_batches_per_key=1
     )
     line = b'{"custom_id": "r%d", "method": "POST", "url": "/v1/chat/completions", "body": {"max_tokens": 64}}\n'
     with RunningServer(settings, engine_config(tiny_qwen3)) as server:
+        slow_steps(monkeypatch, server.engine, 0.01)  # the batch must still be open at the cancel, on any machine
         client = client_for(server)
         upload = client.files.create(file=("a.jsonl", b"".join(line % i for i in range(50))), purpose="batch")
         client.files.create(file=("b.jsonl", LINE), purpose="batch")
