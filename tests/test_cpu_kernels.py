@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -207,3 +209,18 @@ def test_a_build_killed_half_way_does_not_hang_the_next_start():
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "portable"
     assert not (build_dir / "lock").exists()
+
+
+# The loops that call qb::vec_exp, by source: SiLU (silu_and_mul), the softmax, the int8 gate_up's SiLU · up store.
+@pytest.mark.parametrize("target", ["native", "avx2"])
+@pytest.mark.parametrize("source", ["cpu_ops", "decode_attention", "int8_linear"])
+def test_the_exp_loops_are_built_as_vector_code(target, source):
+    """Their values are the same either way, so only the machine code shows it: GCC left every one of these loops
+    scalar in AVX2 builds (no vector rounding instruction in the object at all) until the kernels were built with
+    -fno-trapping-math, and the AVX2 kind ran its softmax and SiLU one lane at a time."""
+    objdump = shutil.which("objdump")
+    assert objdump, "objdump (binutils, installed with g++) reads the kernels' machine code"
+    obj = Path(kernels(target).__file__).parent / f"{source}.o"
+    code = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(obj)], capture_output=True, text=True, check=True)
+    # exp rounds t = x log2(e) to an integer: vroundps on 8 lanes (AVX), vrndscaleps on 16 (AVX-512)
+    assert re.search(r"\b(vroundps|vrndscaleps)\b", code.stdout), f"{source}.o ({target}) has no vector rounding"
