@@ -140,12 +140,11 @@ struct Output {
 // One group of 32 values of x, quantized: q = round(x * 127 / max |x|) (to nearest even), the scale max |x| / 127,
 // and sum(q). The SIMD versions compute exactly what the plain loop does; GCC left the plain loop's maximum and
 // conversions partly scalar, and quantizing x was ~8% of an 8-bit down at 256 rows (AVX-512, perf).
-struct GroupScale {
+struct QuantizedGroup {
   float scale;
   int32_t sum;
 };
 
-inline GroupScale scale_of(float amax) { return {amax / 127.f, 0}; }
 inline float inverse_of(float amax) { return amax > 0.f ? 127.f / amax : 0.f; }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -162,16 +161,14 @@ inline __m512 load16(const T* x) {
 }
 
 template <typename T>
-inline GroupScale quantize_group(const T* x, int8_t* q) {
+inline QuantizedGroup quantize_group(const T* x, int8_t* q) {
   const __m512 a = load16(x), b = load16(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   const __m512 inv = _mm512_set1_ps(inverse_of(amax));
   const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
-  GroupScale out = scale_of(amax);
-  out.sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-  return out;
+  return {amax / 127.f, _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb))};
 }
 #elif defined(__AVX2__) && defined(__F16C__)
 template <typename T>
@@ -187,7 +184,7 @@ inline __m256 load8(const T* x) {
 }
 
 template <typename T>
-inline GroupScale quantize_group(const T* x, int8_t* q) {
+inline QuantizedGroup quantize_group(const T* x, int8_t* q) {
   __m256 v[4];
   for (int i = 0; i < 4; ++i) v[i] = load8(x + 8 * i);
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -208,23 +205,21 @@ inline GroupScale quantize_group(const T* x, int8_t* q) {
   __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-  GroupScale out = scale_of(amax);
-  out.sum = _mm_cvtsi128_si32(s4);
-  return out;
+  return {amax / 127.f, _mm_cvtsi128_si32(s4)};
 }
 #else
 template <typename T>
-inline GroupScale quantize_group(const T* x, int8_t* q) {
+inline QuantizedGroup quantize_group(const T* x, int8_t* q) {
   float xs[kGroup], amax = 0.f;
   for (int64_t i = 0; i < kGroup; ++i) xs[i] = qb::to_f32(x[i]);
   for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(xs[i]));
   const float inv = inverse_of(amax);
-  GroupScale out = scale_of(amax);
+  int32_t sum = 0;
   for (int64_t i = 0; i < kGroup; ++i) {
     q[i] = static_cast<int8_t>(std::nearbyint(xs[i] * inv));
-    out.sum += q[i];
+    sum += q[i];
   }
-  return out;
+  return {amax / 127.f, sum};
 }
 #endif
 
@@ -234,7 +229,7 @@ QuantizedX quantize_rows(const T* x, int64_t M, int64_t K) {
   QuantizedX out{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<int32_t>(M * G)};
   at::parallel_for(0, M * G, 256, [&](int64_t begin, int64_t end) {
     for (int64_t mg = begin; mg < end; ++mg) {  // rows are contiguous, so (m, g) is group m * G + g of x
-      const GroupScale group = quantize_group(x + mg * kGroup, out.q.data() + mg * kGroup);
+      const QuantizedGroup group = quantize_group(x + mg * kGroup, out.q.data() + mg * kGroup);
       out.scale[mg] = group.scale;
       out.bias[mg] = 128 * group.sum;
     }
