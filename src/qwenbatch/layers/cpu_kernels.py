@@ -38,8 +38,8 @@ _SOURCES = (
     "decode_layer.cpp",
 )
 # Float operations may be assumed not to trap (no value changes): without it GCC will not turn a comparison into a
-# blend where it has no masked instructions, and with AVX2 only every loop calling qb::vec_exp (SiLU, softmax) and
-# the group maxima of x stayed scalar ("control flow in loop"), while AVX-512 builds vectorized them.
+# blend where it has no masked instructions, and with AVX2 only every loop calling qb::vec_exp (SiLU, softmax)
+# stayed scalar ("control flow in loop"), while AVX-512 builds vectorized them (tests/test_cpu_kernels.py checks).
 _CODEGEN = "-fno-trapping-math"
 # -march per build target; "native" is what the engine uses, the others let tests check every code path here.
 _TARGETS = {"native": "-march=native", "avx2": "-march=x86-64-v3", "portable": "-march=x86-64-v2"}

@@ -271,10 +271,11 @@ constexpr int64_t kWidenTiles = 2;  // 5-bit tiles widened into a buffer at a ti
 
 // The weight stream of the tiles widened next, asked into L2 a few lines at a time while a kernel works on the
 // widened ones (`step` once per group of its loop): the widening pass alone kept memory and arithmetic serial.
+// After a weight's last tiles the range runs past its end: a prefetch never faults, and asks for nothing useful.
 struct StreamAhead {
-  const uint8_t* next = nullptr;
-  const uint8_t* end = nullptr;
-  int64_t lines_per_step = 0;
+  const uint8_t* next;
+  const uint8_t* end;
+  int64_t lines_per_step;
 
   StreamAhead(const uint8_t* begin, int64_t bytes, int64_t steps)
       : next(begin), end(begin + bytes), lines_per_step((bytes / 64 + steps - 1) / std::max<int64_t>(1, steps)) {}
