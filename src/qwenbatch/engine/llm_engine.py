@@ -15,6 +15,7 @@ import torch
 
 from qwenbatch.config import EngineConfig
 from qwenbatch.engine.block_manager import BlockManager
+from qwenbatch.engine.host_allocator import keep_step_buffers_in_heap, return_free_heap
 from qwenbatch.engine.input_processor import InputProcessor
 from qwenbatch.engine.memory import gpu_kv_cache_budget, kv_cache_budget, num_kv_blocks
 from qwenbatch.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
@@ -94,6 +95,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner.allocate_kv_cache(num_blocks)
+        # Freed step buffers stay in the heap while there is work, and go back to the system when there is none.
+        self._heap_kept = device.type == "cpu" and keep_step_buffers_in_heap()
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         formatter = None
@@ -234,6 +237,8 @@ class LLMEngine:
             if req.finished:
                 del self._requests[req.request_id]
                 self._record_finished(req, now)
+        if self._heap_kept and not self.scheduler.has_unfinished():
+            return_free_heap()
         return outputs
 
     def _record_score(self, req: EngineRequest, now: float) -> None:
