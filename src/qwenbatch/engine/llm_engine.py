@@ -15,7 +15,6 @@ import torch
 
 from qwenbatch.config import EngineConfig
 from qwenbatch.engine.block_manager import BlockManager
-from qwenbatch.engine.host_allocator import keep_step_buffers_in_heap, return_free_heap
 from qwenbatch.engine.input_processor import InputProcessor
 from qwenbatch.engine.memory import gpu_kv_cache_budget, kv_cache_budget, num_kv_blocks
 from qwenbatch.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
@@ -24,6 +23,7 @@ from qwenbatch.engine.request import EngineRequest
 from qwenbatch.engine.scheduler import Scheduler
 from qwenbatch.engine.sequence import Sequence
 from qwenbatch.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from qwenbatch.layers.host_allocator import cache_step_buffers, return_cached_buffers
 from qwenbatch.layers.sampler import SamplingRow
 from qwenbatch.loader import load_model, resolve_model_dir
 from qwenbatch.loader.kernels import prepare_kernels
@@ -95,8 +95,10 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner.allocate_kv_cache(num_blocks)
-        # Freed step buffers stay in the heap while there is work, and go back to the system when there is none.
-        self._heap_kept = device.type == "cpu" and keep_step_buffers_in_heap()
+        # Freed step buffers are kept for the next step while there is work, and unmapped when there is none.
+        self._caches_step_buffers = kernels.cpu_kernels and device.type == "cpu"
+        if self._caches_step_buffers:
+            cache_step_buffers()
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         formatter = None
@@ -237,8 +239,8 @@ class LLMEngine:
             if req.finished:
                 del self._requests[req.request_id]
                 self._record_finished(req, now)
-        if self._heap_kept and not self.scheduler.has_unfinished():
-            return_free_heap()
+        if self._caches_step_buffers and not self.scheduler.has_unfinished():
+            return_cached_buffers()
         return outputs
 
     def _record_score(self, req: EngineRequest, now: float) -> None:

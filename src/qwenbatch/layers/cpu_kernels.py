@@ -36,6 +36,7 @@ _SOURCES = (
     "decode_attention.cpp",
     "prefill_attention.cpp",
     "decode_layer.cpp",
+    "host_allocator.cpp",
 )
 # Float operations may be assumed not to trap (no value changes): without it GCC will not turn a comparison into a
 # blend where it has no masked instructions, and with AVX2 only every loop calling qb::vec_exp (SiLU, softmax)
@@ -90,7 +91,8 @@ def build(csrc: Path, target: str = "native"):
         with _build_lock(build_dir):
             module = load(
                 name=name,
-                sources=[str(csrc / source) for source in _SOURCES],
+                # an older commit's copy of csrc/ may lack some of today's sources
+                sources=[str(csrc / source) for source in _SOURCES if (csrc / source).exists()],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch has loaded: one OpenMP pool
                 build_directory=str(build_dir),

@@ -1,5 +1,5 @@
 // The CPU kernels module: int8_linear.cpp, quantize.cpp, cpu_ops.cpp, decode_attention.cpp,
-// prefill_attention.cpp and decode_layer.cpp, built together by layers/cpu_kernels.py.
+// prefill_attention.cpp, decode_layer.cpp and host_allocator.cpp, built together by layers/cpu_kernels.py.
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -42,4 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("eps", &DecodeLayerWeights::eps)
       .def_readwrite("scale", &DecodeLayerWeights::scale);
   m.def("decode_layer", &decode_layer, "one decoder layer of a step in which every row decodes", no_gil);
+  m.def("install_step_buffer_allocator", &install_step_buffer_allocator,
+        "make PyTorch's CPU allocator one that caches freed buffers of >= 1 MiB, up to this many bytes");
+  m.def("empty_step_buffer_cache", &empty_step_buffer_cache, "unmap every cached buffer");
+  m.def("step_buffer_stats", &step_buffer_stats, "(bytes of cached-allocator buffers in use, bytes cached)");
 }

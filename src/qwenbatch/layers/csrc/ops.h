@@ -45,3 +45,8 @@ struct DecodeLayerWeights {
 torch::Tensor decode_layer(const torch::Tensor& x, const DecodeLayerWeights& layer, const torch::Tensor& cos,
                            const torch::Tensor& sin, const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
                            const torch::Tensor& block_tables, const torch::Tensor& lens);
+
+// The CPU allocator that caches large freed buffers (host_allocator.cpp): installed for the whole process.
+void install_step_buffer_allocator(int64_t cache_limit_bytes);
+void empty_step_buffer_cache();
+std::tuple<int64_t, int64_t> step_buffer_stats();  // (bytes of our buffers in use, bytes cached)

@@ -1,0 +1,144 @@
+// A CPU allocator for PyTorch that keeps large freed buffers for reuse (layers/host_allocator.py says when it is
+// installed, and why).
+//
+// PyTorch's default CPU allocator is malloc: glibc serves each buffer above 32 MiB with a fresh mmap and unmaps it
+// when freed, and in a thread's own arena (the engine's thread in a server or a run-batch job) every buffer above
+// its heap's size too. A prefill chunk's activations are such buffers, so each chunk of each layer faulted its
+// pages in again and the kernel zeroed them. Here a buffer of at least kLargeBytes is a mapping of whole 2 MiB
+// huge pages (advised for transparent huge pages) which, once freed, waits in a cache for the next buffer of about
+// its size. Smaller buffers go to malloc as before.
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <sys/mman.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+#include "ops.h"
+
+namespace {
+
+constexpr size_t kLargeBytes = size_t{1} << 20;
+constexpr size_t kHugePage = size_t{2} << 20;
+
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+// An anonymous mapping of `bytes` (a multiple of kHugePage) starting on a huge-page boundary, or nullptr.
+void* map_huge_aligned(size_t bytes) {
+  void* region = mmap(nullptr, bytes + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (region == MAP_FAILED) return nullptr;
+  const auto start = reinterpret_cast<uintptr_t>(region);
+  const uintptr_t aligned = round_up(start, kHugePage);
+  if (aligned > start) munmap(region, aligned - start);
+  const uintptr_t end = start + bytes + kHugePage;
+  if (end > aligned + bytes) munmap(reinterpret_cast<void*>(aligned + bytes), end - (aligned + bytes));
+  madvise(reinterpret_cast<void*>(aligned), bytes, MADV_HUGEPAGE);  // refused without THP: plain pages then
+  return reinterpret_cast<void*>(aligned);
+}
+
+class StepBufferAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) override {
+    void* p = n < kLargeBytes ? c10::alloc_cpu(n) : take(round_up(n, kHugePage));
+    return {p, p, &release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  void set_cache_limit(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    cache_limit_ = bytes;
+  }
+
+  // Unmaps every cached buffer.
+  void empty_cache() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [bytes, p] : cached_) munmap(p, bytes);
+    cached_.clear();
+    cached_bytes_ = 0;
+  }
+
+  std::tuple<int64_t, int64_t> stats() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    size_t live = 0;
+    for (const auto& entry : live_) live += entry.second;
+    return {static_cast<int64_t>(live), static_cast<int64_t>(cached_bytes_)};
+  }
+
+  // Never destroyed: tensors are still freed while the process exits.
+  static StepBufferAllocator& instance() {
+    static auto* allocator = new StepBufferAllocator();
+    return *allocator;
+  }
+
+ private:
+  // A cached buffer of at least `bytes` and at most a quarter more, else a new mapping.
+  void* take(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = cached_.lower_bound(bytes);
+      if (it != cached_.end() && it->first <= bytes + bytes / 4) {
+        void* p = it->second;
+        live_[p] = it->first;
+        cached_bytes_ -= it->first;
+        cached_.erase(it);
+        return p;
+      }
+    }
+    void* p = map_huge_aligned(bytes);
+    if (p == nullptr) {
+      empty_cache();  // the cache may hold what the system lacks
+      p = map_huge_aligned(bytes);
+      TORCH_CHECK(p != nullptr, "out of memory: could not map a CPU buffer of ", bytes, " bytes");
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    live_[p] = bytes;
+    return p;
+  }
+
+  // Frees a buffer of either kind: a mapping of ours goes to the cache (or is unmapped past the cache's limit).
+  static void release(void* p) {
+    if (p == nullptr) return;
+    StepBufferAllocator& self = instance();
+    std::unique_lock<std::mutex> lock(self.mutex_);
+    auto it = self.live_.find(p);
+    if (it == self.live_.end()) {
+      lock.unlock();
+      c10::free_cpu(p);
+      return;
+    }
+    const size_t bytes = it->second;
+    self.live_.erase(it);
+    if (self.cached_bytes_ + bytes > self.cache_limit_) {
+      lock.unlock();
+      munmap(p, bytes);
+      return;
+    }
+    self.cached_.emplace(bytes, p);
+    self.cached_bytes_ += bytes;
+  }
+
+  std::mutex mutex_;
+  std::unordered_map<void*, size_t> live_;  // our mappings in use, and their sizes
+  std::multimap<size_t, void*> cached_;     // freed mappings by size
+  size_t cached_bytes_ = 0;
+  size_t cache_limit_ = size_t{1} << 30;
+};
+
+}  // namespace
+
+void install_step_buffer_allocator(int64_t cache_limit_bytes) {
+  StepBufferAllocator& allocator = StepBufferAllocator::instance();
+  allocator.set_cache_limit(static_cast<size_t>(cache_limit_bytes));
+  c10::SetCPUAllocator(&allocator, /*priority=*/1);
+}
+
+void empty_step_buffer_cache() { StepBufferAllocator::instance().empty_cache(); }
+
+std::tuple<int64_t, int64_t> step_buffer_stats() { return StepBufferAllocator::instance().stats(); }
