@@ -42,8 +42,8 @@ PROBE = textwrap.dedent(
 
 
 def test_freed_step_buffers_are_reused_without_page_faults_and_unmapped_when_idle(tiny_qwen3):
-    """With malloc, every buffer above 32 MiB (above a thread arena's heap in the engine's thread) was a fresh
-    mapping whose pages all faulted in again: 12% of cpu-mixed's prefill was the kernel zeroing them."""
+    """With malloc, every buffer above 32 MiB was a fresh mapping whose pages all faulted in again: 12% of
+    cpu-mixed's prefill was the kernel zeroing them."""
     run = subprocess.run([sys.executable, "-c", PROBE, str(tiny_qwen3)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     probe = json.loads(run.stdout.strip().splitlines()[-1])
@@ -57,23 +57,24 @@ def test_buffers_hold_their_values_and_a_freed_one_serves_the_next_of_about_its_
         """
         import json, torch
         from qwenbatch.layers.host_allocator import cache_step_buffers, return_cached_buffers, step_buffer_stats
-        cache_step_buffers(limit_bytes=16 << 20)
-        a = torch.arange(3 << 20, dtype=torch.int32)  # 12 MiB: 6 huge pages
+        cache_step_buffers(limit_bytes=64 << 20)
+        a = torch.arange(12 << 20, dtype=torch.int32)  # 48 MiB: 24 huge pages
         first = a.data_ptr()
-        n = 3 << 20
+        n = 12 << 20
         ok = int(a[-1]) == n - 1 and int(a.sum()) == n * (n - 1) // 2 and first % (2 << 20) == 0
         in_use = step_buffer_stats().in_use
         del a
-        b = torch.empty(11 << 20, dtype=torch.uint8)  # 12 MiB rounded, the freed one's size: reused
+        b = torch.empty(43 << 20, dtype=torch.uint8)  # 44 MiB rounded, within a quarter of the freed one: reused
         reused = b.data_ptr() == first
         del b
-        c = torch.empty(20 << 20, dtype=torch.uint8)  # a new mapping, unmapped when freed: 12 + 20 > 16 MiB
+        c = torch.empty(80 << 20, dtype=torch.uint8)  # a new mapping, unmapped when freed: 48 + 80 > 64 MiB
         del c
         kept = step_buffer_stats().cached
-        small = torch.ones(1000)  # below 1 MiB: malloc's
+        small = torch.ones(1 << 20)  # 4 MiB, below 32 MiB: malloc's
+        small_in_use = step_buffer_stats().in_use
         return_cached_buffers()
-        print(json.dumps({"ok": ok, "in_use": in_use, "reused": reused, "kept": kept,
-                          "small": float(small.sum()), "after": step_buffer_stats().cached}))
+        print(json.dumps({"ok": ok, "in_use": in_use, "reused": reused, "kept": kept, "small": float(small.sum()),
+                          "small_in_use": small_in_use, "after": step_buffer_stats().cached}))
         """
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -81,9 +82,10 @@ def test_buffers_hold_their_values_and_a_freed_one_serves_the_next_of_about_its_
     probe = json.loads(run.stdout.strip().splitlines()[-1])
     assert probe == {
         "ok": True,
-        "in_use": 12 << 20,
+        "in_use": 48 << 20,
         "reused": True,
-        "kept": 12 << 20,
-        "small": 1000.0,
+        "kept": 48 << 20,
+        "small": float(1 << 20),
+        "small_in_use": 0,
         "after": 0,
     }
