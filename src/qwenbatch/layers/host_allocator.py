@@ -7,8 +7,8 @@ every buffer larger than its heap. A prefill chunk's activations are such buffer
 the cpu-mixed workload's prefill went to page faults (perf, BENCHMARKS.md, issue 15). The CPU kernels' allocator
 (``csrc/host_allocator.cpp``) maps the buffers malloc would map (32 MiB and more) as whole 2 MiB pages and caches
 them when freed, up to ``CACHE_LIMIT_BYTES``, for the next buffer of about their size; smaller ones still go to
-malloc, which reuses its heap well for them. The engine
-empties the cache whenever it runs out of work, so an idle server does not hold its busiest step's memory.
+malloc, which reuses its heap well for them. The engine empties the cache whenever it runs out of work, so an idle
+server does not hold its busiest step's memory.
 """
 
 from __future__ import annotations
@@ -44,5 +44,6 @@ def return_cached_buffers() -> None:
 
 
 def step_buffer_stats() -> StepBufferStats:
+    """What the allocator holds now (zero both ways where it was never installed)."""
     in_use, cached = kernels().step_buffer_stats()
     return StepBufferStats(in_use, cached)
