@@ -96,7 +96,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner.allocate_kv_cache(num_blocks)
         # Freed step buffers are kept for the next step while there is work, and unmapped when there is none.
-        self._caches_step_buffers = kernels.cpu_kernels and device.type == "cpu"
+        self._caches_step_buffers = kernels.cpu_kernels  # CPU only
         if self._caches_step_buffers:
             cache_step_buffers()
         if device.type == "cuda" and not config.enforce_eager:

@@ -43,8 +43,13 @@ void* map_huge_aligned(size_t bytes) {
 
 class StepBufferAllocator final : public c10::Allocator {
  public:
+  // A small buffer is malloc's and frees as malloc's: only large ones pay for the lock and lookup in release.
   c10::DataPtr allocate(size_t n) override {
-    void* p = n < kLargeBytes ? c10::alloc_cpu(n) : take(round_up(n, kHugePage));
+    if (n < kLargeBytes) {
+      void* p = c10::alloc_cpu(n);
+      return {p, p, &c10::free_cpu, c10::Device(c10::DeviceType::CPU)};
+    }
+    void* p = take(round_up(n, kHugePage));
     return {p, p, &release, c10::Device(c10::DeviceType::CPU)};
   }
 
@@ -105,7 +110,8 @@ class StepBufferAllocator final : public c10::Allocator {
     return p;
   }
 
-  // Frees a buffer of either kind: a mapping of ours goes to the cache (or is unmapped past the cache's limit).
+  // Frees a buffer of either kind (raw_deallocate sends small ones here too): a mapping of ours goes to the cache,
+  // or is unmapped past the cache's limit.
   static void release(void* p) {
     if (p == nullptr) return;
     StepBufferAllocator& self = instance();
