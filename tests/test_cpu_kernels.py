@@ -170,7 +170,7 @@ def test_an_engine_on_the_cpu_kernels_decodes_as_the_pytorch_path(tiny_qwen2):
     fused, plain = LLM(**common, cpu_kernels="on"), LLM(**common, cpu_kernels="off")
     assert isinstance(fused.engine.runner.model.model.norm, KernelRMSNorm)
     assert not isinstance(plain.engine.runner.model.model.norm, KernelRMSNorm)
-    assert fused.engine.runner._metadata_class is KernelAttentionMetadata
+    assert isinstance(fused.engine.runner._build_metadata(StepLayout(16), torch.device("cpu")), KernelAttentionMetadata)
     # float32: only the order of the kernels' float32 sums differs, so greedy tokens (decode attention read
     # through the block tables in place, across several blocks) are the PyTorch path's.
     prompts = [[5, 9, 14, 3, 7], list(range(20, 57)), [8, 30, 6, 17, 2, 11, 4]]
@@ -193,7 +193,7 @@ def test_kernels_that_cannot_build_fall_back_under_auto_and_fail_when_asked_for(
     common = dict(model=str(tiny_qwen2), dtype="bfloat16", kv_cache_memory=8 * 2**20)
     llm = LLM(**common)  # auto: the PyTorch layers, and it serves
     assert not isinstance(llm.engine.runner.model.model.norm, KernelRMSNorm)
-    assert llm.engine.runner._metadata_class is TorchAttentionMetadata
+    assert type(llm.engine.runner._build_metadata(StepLayout(16), torch.device("cpu"))) is TorchAttentionMetadata
     assert len(llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs[0].token_ids) > 0
     with pytest.raises(RuntimeError, match=r"Python\.h"):
         LLM(**common, cpu_kernels="on")

@@ -1,6 +1,6 @@
 """Our bf16 prefill attention kernel (layers/csrc/prefill_attention.cpp): bottom-right causal attention of a chunk
-on its context, within a rounding step of float32 attention, and what the engine runs for bf16 prefill chunks on a
-CPU with AVX512-BF16."""
+on its context, within a rounding step of float32 attention, and the attention metadata that runs a step's bf16
+prefill chunks in it (tests/test_prefill_choice.py: when the engine does)."""
 
 from __future__ import annotations
 
@@ -125,22 +125,8 @@ def test_kernel_metadata_runs_bf16_prefill_chunks_in_the_kernel(kernel_calls):
     k = torch.randn(n, kv_heads, head_dim, dtype=torch.bfloat16)
     v = torch.randn(n, kv_heads, head_dim, dtype=torch.bfloat16)
     want = TorchAttentionMetadata.build(layout, torch.device("cpu")).attend(q, k, v, cache.clone(), 0.125)
-    got = KernelAttentionMetadata.build(layout, torch.device("cpu")).attend(q, k, v, cache, 0.125)
+    got = KernelAttentionMetadata.build(layout, torch.device("cpu"), own_prefill=True).attend(q, k, v, cache, 0.125)
     assert kernel_calls == [(50, 50), (37, 300)]  # the PyTorch reference made none
+    KernelAttentionMetadata.build(layout, torch.device("cpu")).attend(q, k, v, cache, 0.125)
+    assert len(kernel_calls) == 2  # without own_prefill, SDPA's flash kernel
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-
-
-def test_a_bf16_engine_prefills_in_the_kernel_and_generates_as_the_pytorch_path(tiny_qwen3, kernel_calls):
-    """tiny_qwen3 has head_dim 32: its bf16 prompts, chunked after a cached prefix, run in the kernel, and greedy
-    tokens are the PyTorch path's."""
-    from qwenbatch import LLM, SamplingParams
-
-    common = dict(model=str(tiny_qwen3), dtype="bfloat16", kv_cache_memory=8 * 2**20, max_num_batched_tokens=32)
-    plain = LLM(**common, cpu_kernels="off")
-    fused = LLM(**common, cpu_kernels="on")
-    prompts = [[5, 9, 14, 3, 7], list(range(20, 90)), [8, 30, 6, 17, 2, 11, 4]]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in fused.generate(prompts, params, use_tqdm=False)]
-    assert any(q_len < k_len for q_len, k_len in kernel_calls)  # the 70-token prompt's later chunks
-    assert got == want

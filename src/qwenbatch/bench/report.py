@@ -108,7 +108,8 @@ def format_report(report: dict) -> str:
         )
     if "ratio_output_tps_llama_cpp" in report:
         lines.append(f"ratio output tok/s (ours / llama.cpp): {report['ratio_output_tps_llama_cpp']:.2f}")
-    lines.append(f"linears: {ours['linear_kernels']} on {ours['device']}")
+    attention = f"; prefill attention: {ours['prefill_attention']}" if "prefill_attention" in ours else ""
+    lines.append(f"linears: {ours['linear_kernels']}{attention} on {ours['device']}")
     if priced:
         lines.append(
             f"cost at ${report['price_per_hour']:.2f}/hour: $ per 1M output tokens = price per hour / "

@@ -7,7 +7,9 @@ oneDNN linears) or on CUDA (Triton attention, decode steps replayed as CUDA grap
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -21,6 +23,7 @@ from qwenbatch.layers.attention import (
 )
 from qwenbatch.layers.cpu_kernels import greedy_tokens
 from qwenbatch.layers.opaque_attention import step_attention
+from qwenbatch.layers.prefill_choice import OURS, SDPA
 from qwenbatch.layers.sampler import SamplingRow, sample
 from qwenbatch.loader.kernels import ModelKernels
 from qwenbatch.models.config import ModelConfig
@@ -94,20 +97,26 @@ class ModelRunner:
         self._greedy_kernel = greedy_tokens if kernels.cpu_kernels else None
         # --compile: one graph per step shape class, symbolic in the token count; weights frozen into it.
         self._compiled = torch.compile(model, dynamic=True, options={"freezing": True}) if kernels.compiled else None
+        # Which kernel runs prefill attention, recorded in the log and in bench JSON.
         if attention_backend == "triton":
             from qwenbatch.layers.triton_backend import TritonAttentionMetadata
 
-            self._metadata_class: type[AttentionMetadata] = TritonAttentionMetadata
+            self._build_metadata: Callable[[StepLayout, torch.device], AttentionMetadata] = (
+                TritonAttentionMetadata.build
+            )
+            self.prefill_attention = "triton"
         elif kernels.cpu_kernels:
-            self._metadata_class = KernelAttentionMetadata
+            own_prefill = kernels.prefill_attention.kernel == OURS
+            self._build_metadata = partial(KernelAttentionMetadata.build, own_prefill=own_prefill)
+            self.prefill_attention = kernels.prefill_attention.describe()
         else:
-            self._metadata_class = TorchAttentionMetadata
+            self._build_metadata = TorchAttentionMetadata.build
+            self.prefill_attention = SDPA
         logger.info(
-            "attention backend: %s%s on %s; linears: %s",
+            "attention: %s backend%s, prefill %s, on %s; linears: %s",
             attention_backend,
-            " (decode, and bf16 prefill with AVX512-BF16, in the CPU kernels)"
-            if self._metadata_class is KernelAttentionMetadata
-            else "",
+            " (decode in the CPU kernels)" if kernels.cpu_kernels and attention_backend != "triton" else "",
+            self.prefill_attention,
             device,
             self.linear_kernels,
         )
@@ -183,7 +192,7 @@ class ModelRunner:
             hidden = self._graphs.run(layout)
             if hidden is not None:
                 return hidden
-        meta = self._metadata_class.build(layout, self.device)
+        meta = self._build_metadata(layout, self.device)
         ids = torch.tensor(layout.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(layout.positions, dtype=torch.long, device=self.device)
         if self._compiled is not None:

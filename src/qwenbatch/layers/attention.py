@@ -8,7 +8,7 @@ tensors shared by every layer), whose ``attend`` the model calls in each layer:
 
 - ``TorchAttentionMetadata`` (here): PyTorch's scaled_dot_product_attention, the CPU path;
 - ``KernelAttentionMetadata`` (here): our CPU kernels: decodes reading the paged cache in place, bf16 prefill
-  chunks in AVX512-BF16 tiles where the CPU has them (else as the PyTorch path);
+  chunks in AVX512-BF16 tiles where that was timed faster at load (else as the PyTorch path);
 - ``TritonAttentionMetadata`` (layers/triton_backend.py): Triton kernels reading K/V through the
   block tables in place, the CUDA path (and, under TRITON_INTERPRET=1, a CPU test of it).
 """
@@ -185,14 +185,16 @@ class TorchAttentionMetadata(AttentionMetadata):
 @dataclass
 class KernelAttentionMetadata(TorchAttentionMetadata):
     """As TorchAttentionMetadata, but decoding rows read K/V through their block tables in place, in our
-    CPU kernel (layers/cpu_kernels.py): no per-step gather of each context into a padded tensor; and bf16 prefill
-    chunks run in our prefill kernel where the CPU has AVX512-BF16."""
+    CPU kernel (layers/cpu_kernels.py): no per-step gather of each context into a padded tensor; and, with
+    ``own_prefill``, bf16 prefill chunks run in our AVX512-BF16 prefill kernel (where layers/prefill_choice.py
+    timed it faster than SDPA's flash kernel on this CPU)."""
 
     decode_block_tables: torch.Tensor | None = None  # int32 [D, max_blocks], padded with block 0
     decode_lens: torch.Tensor | None = None  # int32 [D]
+    own_prefill: bool = False
 
     @classmethod
-    def build(cls, layout: StepLayout, device: torch.device) -> KernelAttentionMetadata:
+    def build(cls, layout: StepLayout, device: torch.device, own_prefill: bool = False) -> KernelAttentionMetadata:
         base = TorchAttentionMetadata.build(layout, device, gather_decodes=False)
         tables = lens = None
         if layout.num_decodes:
@@ -202,19 +204,11 @@ class KernelAttentionMetadata(TorchAttentionMetadata):
                 padded[i, : len(table)] = table
             tables = torch.from_numpy(padded)
             lens = torch.tensor(layout.decode_lens, dtype=torch.int32)
-        return cls(base.slot_mapping, base.prefills, base.num_decodes, None, None, tables, lens)
+        return cls(base.slot_mapping, base.prefills, base.num_decodes, None, None, tables, lens, own_prefill)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        # Built where the CPU has AVX512-BF16; 2.5-3.6x SDPA's flash kernel on the default model's shapes
-        # (benchmarks/prefill_attention_micro.py).
-        ops = kernels()
-        if (
-            q.device.type == "cpu"
-            and q.dtype == torch.bfloat16
-            and q.shape[-1] % 32 == 0
-            and ops.prefill_attention_available()
-        ):
-            return ops.prefill_attention(q, k, v, scale)
+        if self.own_prefill and q.dtype == torch.bfloat16:
+            return kernels().prefill_attention(q, k, v, scale)
         return super()._prefill(q, k, v, scale)
 
     def _decode(

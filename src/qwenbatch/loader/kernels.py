@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from qwenbatch.layers.linear import onednn_available, pack_linears
+from qwenbatch.layers.prefill_choice import SDPA_UNTIMED, PrefillAttentionChoice, choose_prefill_attention
 from qwenbatch.loader.hf import CheckpointReader
 
 logger = logging.getLogger(__name__)
@@ -22,6 +23,8 @@ class ModelKernels:
     linear_kernels: str  # e.g. "torch", "onednn-prepacked-bfloat16", "int8-avx512vnni", "inductor"
     cpu_kernels: bool  # norms, SiLU * up, RoPE and attention run in layers/csrc (the int8 path)
     compiled: bool = False  # the runner compiles the model (--compile); its linears stay nn.Linear for inductor
+    # With cpu_kernels: the faster prefill attention on this CPU, timed at load (layers/prefill_choice.py).
+    prefill_attention: PrefillAttentionChoice = SDPA_UNTIMED
 
 
 def prepare_kernels(
@@ -36,9 +39,10 @@ def prepare_kernels(
 ) -> ModelKernels:
     """Swap ``model``'s layers in place for the fastest kernels this CPU has (nothing changes on CUDA).
 
-    With ``cpu_kernels`` the norms, SiLU * up, RoPE and decode attention (and bf16 prefill attention where the
-    CPU has AVX512-BF16) run in our fused CPU kernels (layers/cpu_kernels.py: a small step is otherwise mostly
-    PyTorch per-op overhead and decode attention's gather); int8 needs them. Linears that stay dense are
+    With ``cpu_kernels`` the norms, SiLU * up, RoPE and decode attention run in our fused CPU kernels
+    (layers/cpu_kernels.py: a small step is otherwise mostly PyTorch per-op overhead and decode attention's
+    gather), and bf16 prefill attention in ours or SDPA's flash kernel, whichever is faster here (timed on the
+    model's heads); int8 needs them. Linears that stay dense are
     prepacked for oneDNN where it has a fast path for ``dtype``. Kernels that fail to build raise RuntimeError
     if ``required``, else the PyTorch layers stay (with a warning). With int8 each linear is quantized from its
     weights as ``checkpoint`` holds them, in float32 (the model's copy may be rounded), a slice at a time. With
@@ -65,6 +69,12 @@ def prepare_kernels(
                 raise
             logger.warning("CPU kernels unavailable, running PyTorch's layers instead (--cpu-kernels off): %s", e)
             cpu_kernels = False
+    prefill_attention = SDPA_UNTIMED
+    if cpu_kernels:
+        cfg = model.config
+        prefill_attention = choose_prefill_attention(
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype
+        )
     if quantization == "int8":
         from qwenbatch.layers.cpu_kernels import kernels
         from qwenbatch.layers.int8_linear import quantize_linears
@@ -79,4 +89,4 @@ def prepare_kernels(
     if onednn_available(dtype, device) and pack_linears(model):  # what int8 left dense, or every linear
         packed = f"onednn-prepacked-{str(dtype).removeprefix('torch.')}"
         linear_kernels = packed if quantization == "none" else f"{linear_kernels}+{packed}"
-    return ModelKernels(linear_kernels, cpu_kernels)
+    return ModelKernels(linear_kernels, cpu_kernels, prefill_attention=prefill_attention)

@@ -1,0 +1,83 @@
+"""Which kernel runs bf16 prefill attention on this CPU, chosen at load by timing both on the model's head shape.
+
+The CPU's flags cannot settle it. Our kernel (csrc/prefill_attention.cpp, AVX512-BF16 register tiles) ran 4-6x
+SDPA's CPU flash kernel on AMD's AVX512-BF16 CPUs (benchmarks/prefill_attention_micro.py). SDPA's kernel hands
+its bf16 block products to oneDNN, which runs them in AMX tiles where the CPU has AMX (peak bf16 rate per core
+~16x AVX512-BF16's); there, which one is faster is a measurement, made here in a few tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from qwenbatch.layers.attention import sdpa_chunk_attention
+from qwenbatch.layers.cpu_kernels import kernels
+
+OURS = "avx512bf16-tiles"
+SDPA = "sdpa-flash"
+# One fresh prompt of this many tokens is timed: the scheduler's chunks on CPU are of this order, and the two
+# kernels' ratio moves little with length (4.9x at 1,024 tokens, 4.4x at 4,096 on 8,192 keys, Zen 5).
+TIMED_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class PrefillAttentionChoice:
+    """The kernel that runs prefill attention, and the timings (ms, best of a few) that chose it, if any."""
+
+    kernel: str  # OURS or SDPA
+    ours_ms: float | None = None
+    sdpa_ms: float | None = None
+    tokens: int = TIMED_TOKENS
+
+    def describe(self) -> str:
+        if self.ours_ms is None or self.sdpa_ms is None:
+            return self.kernel
+        return (
+            f"{self.kernel} (timed on {self.tokens} tokens: {OURS} {self.ours_ms:.1f} ms, {SDPA} {self.sdpa_ms:.1f} ms)"
+        )
+
+
+SDPA_UNTIMED = PrefillAttentionChoice(SDPA)  # where ours cannot run, or the CPU kernels are off
+
+
+def ours_can_run(dtype: torch.dtype, head_dim: int) -> bool:
+    """Our kernel takes bf16 with a head_dim that is a multiple of 32, where the CPU has AVX512-BF16."""
+    return dtype == torch.bfloat16 and head_dim % 32 == 0 and kernels().prefill_attention_available()
+
+
+def choose_prefill_attention(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    tokens: int = TIMED_TOKENS,
+    repeats: int = 3,
+) -> PrefillAttentionChoice:
+    """Time our kernel and SDPA's flash kernel on one causal prompt of ``tokens`` tokens with the model's heads
+    (after a warm-up call each, alternating, best of ``repeats``) and pick the faster. Where ours cannot run,
+    SDPA, untimed."""
+    if not ours_can_run(dtype, head_dim):
+        return SDPA_UNTIMED
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(tokens, heads, head_dim, generator=generator).to(dtype)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=generator).to(dtype)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=generator).to(dtype)
+    scale = head_dim**-0.5
+    candidates = {
+        OURS: lambda: kernels().prefill_attention(q, k, v, scale),
+        SDPA: lambda: sdpa_chunk_attention(q, k, v, scale),
+    }
+    best = dict.fromkeys(candidates, float("inf"))
+    with torch.inference_mode():
+        for run in candidates.values():
+            run()
+        for _ in range(repeats):
+            for name, run in candidates.items():
+                start = time.perf_counter()
+                run()
+                best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+    kernel = OURS if best[OURS] <= best[SDPA] else SDPA
+    return PrefillAttentionChoice(kernel, best[OURS], best[SDPA], tokens)
