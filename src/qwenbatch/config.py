@@ -87,7 +87,7 @@ class EngineConfig:
     quantization: str = "none"
     # Our fused CPU kernels (layers/csrc) for norms, SiLU * up, RoPE, paged decode attention and (bf16, with
     # AVX512-BF16) prefill attention. auto: on for
-    # half-precision dtypes where a C++ compiler is found (built once, ~60 s); off in float32, whose bits then
+    # half-precision dtypes where a C++ compiler is found (built once, ~40 s on 2 cores); off in float32, whose bits then
     # stay PyTorch's; always on with int8.
     cpu_kernels: str = "auto"
     # CPU: torch.compile (inductor, frozen weights) of the model, attention opaque, instead of the fused CPU

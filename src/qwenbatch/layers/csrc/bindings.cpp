@@ -2,6 +2,8 @@
 // prefill_attention.cpp, decode_layer.cpp and host_allocator.cpp, built together by layers/cpu_kernels.py.
 #include "ops.h"
 
+#include <torch/extension.h>
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The long calls release the GIL: a server's event loop shares the process with the engine's thread.
   const auto no_gil = py::call_guard<py::gil_scoped_release>();

@@ -1,7 +1,7 @@
 // Float32 arithmetic helpers shared by the CPU kernels: an exp the compiler vectorizes, storage <-> float32
 // conversions it vectorizes, and the dtype switch of the kernels' entry points.
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 

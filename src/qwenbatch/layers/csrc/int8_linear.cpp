@@ -20,7 +20,7 @@
 #include "float_math.h"
 #include "prefetch.h"
 
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>

@@ -2,7 +2,7 @@
 // Q5_0 rule where it gives the group back exactly, else Q8_0's. The rules are layers/int8_linear.py's
 // quantize_weight_q5 and quantize_weight (the reference, tested equal), done here because a model's worth of
 // PyTorch element-wise passes takes ~10 s for 0.5B weights on two cores.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
