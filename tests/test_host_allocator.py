@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 # In a fresh process: the allocator an engine installs serves the whole process from then on.
 PROBE = textwrap.dedent(
     """
@@ -25,7 +27,7 @@ PROBE = textwrap.dedent(
         buffer.fill_(1)
         found.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
-    llm = LLM(model=sys.argv[1], dtype="bfloat16", cpu_kernels="on")
+    llm = LLM(model=sys.argv[1], dtype=sys.argv[2], cpu_kernels=sys.argv[3])
     found = []
     # A prefill chunk's activations are tens of MB and differ in size from chunk to chunk; a server's engine
     # runs on a thread of its own.
@@ -41,15 +43,29 @@ PROBE = textwrap.dedent(
 )
 
 
-def test_freed_step_buffers_are_reused_without_page_faults_and_unmapped_when_idle(tiny_qwen3):
+@pytest.mark.parametrize("dtype, cpu_kernels", [("bfloat16", "on"), ("float32", "auto")])
+def test_freed_step_buffers_are_reused_without_page_faults_and_unmapped_when_idle(tiny_qwen3, dtype, cpu_kernels):
     """With malloc, every buffer above 32 MiB was a fresh mapping whose pages all faulted in again: 12% of
-    cpu-mixed's prefill was the kernel zeroing them."""
-    run = subprocess.run([sys.executable, "-c", PROBE, str(tiny_qwen3)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    probe = json.loads(run.stdout.strip().splitlines()[-1])
+    cpu-mixed's prefill in bf16 was the kernel zeroing them, 14% of its whole run in float32. A float32 engine
+    keeps PyTorch's layers (cpu_kernels auto) but uses the allocator: it changes no value."""
+    probe = _probe(tiny_qwen3, dtype, cpu_kernels)
     assert probe["faults"] == [0, 0], probe
     assert probe["cached_while_busy"] >= 64 << 20, probe
     assert probe["cached_when_idle"] == 0, probe
+
+
+def test_with_the_cpu_kernels_off_the_allocator_is_malloc(tiny_qwen3):
+    probe = _probe(tiny_qwen3, "float32", "off")
+    assert min(probe["faults"]) > 1000, probe  # every page of a fresh mapping
+    assert probe["cached_while_busy"] == 0, probe
+
+
+def _probe(checkpoint, dtype: str, cpu_kernels: str) -> dict:
+    run = subprocess.run(
+        [sys.executable, "-c", PROBE, str(checkpoint), dtype, cpu_kernels], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def test_buffers_hold_their_values_and_a_freed_one_serves_the_next_of_about_its_size():

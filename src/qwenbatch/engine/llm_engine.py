@@ -96,9 +96,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner.allocate_kv_cache(num_blocks)
         # Freed step buffers are kept for the next step while there is work, and unmapped when there is none.
-        self._caches_step_buffers = kernels.cpu_kernels  # CPU only
+        # (Not where the kernels were wanted and failed to build: a second try would fail the same way.)
+        self._caches_step_buffers = config.caches_step_buffers and (kernels.cpu_kernels or not config.uses_cpu_kernels)
         if self._caches_step_buffers:
-            cache_step_buffers()
+            try:
+                cache_step_buffers()
+            except RuntimeError as e:  # a float32 engine's first build of the kernels
+                logger.warning("step buffers not cached (the CPU kernels did not build): %s", e)
+                self._caches_step_buffers = False
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         formatter = None

@@ -5,7 +5,8 @@ it when freed, and in a thread's own arena (the engine's thread in a server or a
 every buffer larger than its heap. A prefill chunk's activations are such buffers (2,048 tokens' gate_up output is
 40 MB in bfloat16), so every chunk of every layer faulted its pages in again and the kernel zeroed them: 12% of
 the cpu-mixed workload's prefill went to page faults (perf, BENCHMARKS.md, issue 15). The CPU kernels' allocator
-(``csrc/host_allocator.cpp``) maps the buffers malloc would map (32 MiB and more) as whole 2 MiB pages and caches
+(``csrc/host_allocator.cpp``), installed by every CPU engine whose kernels may be built (float32 ones too: it changes
+no value), maps the buffers malloc would map (32 MiB and more) as whole 2 MiB pages and caches
 them when freed, up to ``CACHE_LIMIT_BYTES``, for the next buffer of about their size; smaller ones still go to
 malloc, which reuses its heap well for them. The engine empties the cache whenever it runs out of work, so an idle
 server does not hold its busiest step's memory.
