@@ -271,12 +271,14 @@ def _serve(tiny_qwen3: Path, data_dir: Path, log: Path):
 
 def test_sigkill_mid_batch_then_restart_resumes_with_every_line_exactly_once(tiny_qwen3, tmp_path, reference):
     data_dir = tmp_path / "data"
-    # Enough lines that the batch is still running at the kill, however fast the engine is.
-    lines = [chat_line(i, max_tokens=24) for i in range(120)]
+    # Enough lines that the batch is still running at the kill, however fast the engine is: the kill follows the
+    # third result line within a poll (request_counts are written once a second, by when the tiny model may be done).
+    lines = [chat_line(i, max_tokens=24) for i in range(240)]
     with _serve(tiny_qwen3, data_dir, tmp_path / "first.log") as (proc, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY_A, max_retries=0)
         batch = submit(client, lines)
-        wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, "three lines done", 60)
+        results_file = BatchStore(data_dir).batch_dir(batch.id) / "results.jsonl"
+        wait_for(lambda: results_file.exists() and results_file.read_bytes().count(b"\n") >= 3, "three lines", 60)
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     store = BatchStore(data_dir)

@@ -147,7 +147,7 @@ def test_the_cpu_kernels_setting_resolves_by_dtype_and_compiler(monkeypatch, fak
 
     monkeypatch.setattr(config_module, "has_cxx_compiler", lambda: True)
     assert EngineConfig(dtype="bfloat16").uses_cpu_kernels
-    assert not EngineConfig(dtype="float32").uses_cpu_kernels  # float32 keeps PyTorch's bits unless asked
+    assert EngineConfig(dtype="float32").uses_cpu_kernels  # greedy parity holds (tests/test_model_parity.py)
     assert EngineConfig(dtype="float32", cpu_kernels="on").uses_cpu_kernels
     assert EngineConfig(dtype="float32", quantization="int8").uses_cpu_kernels
     assert not EngineConfig(dtype="bfloat16", cpu_kernels="off").uses_cpu_kernels

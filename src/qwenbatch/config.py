@@ -86,9 +86,9 @@ class EngineConfig:
     # int8: CPU linears with int8 weights and activations, one scale per 32 values (vLLM's flag name).
     quantization: str = "none"
     # Our fused CPU kernels (layers/csrc) for norms, SiLU * up, RoPE, paged decode attention and (bf16, with
-    # AVX512-BF16) prefill attention. auto: on for half-precision dtypes where a C++ compiler is found (built
-    # once, ~40 s on 2 cores); off in float32, whose bits then stay PyTorch's; always on with int8. Every CPU
-    # engine but those with "off" builds the module for its step-buffer allocator, which changes no value.
+    # AVX512-BF16) prefill attention, and the allocator that caches large step buffers. auto: on in every dtype
+    # where a C++ compiler is found (built once, ~40 s on 2 cores; in float32 they change only the order of
+    # float32 sums, and greedy parity with transformers holds); always on with int8.
     cpu_kernels: str = "auto"
     # CPU: torch.compile (inductor, frozen weights) of the model, attention opaque, instead of the fused CPU
     # kernels (which it would only see as opaque calls); off by default (BENCHMARKS.md: it decodes slower).
@@ -189,12 +189,12 @@ class EngineConfig:
             return False
         if self.cpu_kernels == "on" or self.quantization == "int8":
             return True
-        return self.torch_dtype != torch.float32 and has_cxx_compiler()
+        return has_cxx_compiler()
 
     @property
     def caches_step_buffers(self) -> bool:
-        """Whether a CPU engine makes the CPU kernels' caching allocator PyTorch's (layers/host_allocator.py): in
-        every dtype, as it changes no value, wherever the kernels may be built (not with ``cpu_kernels`` off)."""
+        """Whether a CPU engine makes the CPU kernels' caching allocator PyTorch's (layers/host_allocator.py):
+        wherever the kernels may be built (not with ``cpu_kernels`` off), ``--compile`` too."""
         if self.resolved_device.type != "cpu" or self.cpu_kernels == "off":
             return False
         return self.uses_cpu_kernels or has_cxx_compiler()
