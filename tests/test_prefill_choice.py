@@ -13,15 +13,15 @@ from qwenbatch.layers.cpu_kernels import kernels
 from qwenbatch.layers.prefill_choice import OURS, SDPA, SDPA_UNTIMED, choose_prefill_attention
 
 
-@pytest.fixture(autouse=True)
-def _needs_the_kernel() -> None:
+@pytest.fixture
+def needs_the_kernel() -> None:
     # In a fixture, not at import: collecting the tests must not build the kernels.
     if not kernels().prefill_attention_available():
         pytest.skip("our prefill kernel needs AVX512-BF16, which this CPU lacks")
 
 
 @pytest.fixture
-def kernel_calls(monkeypatch) -> list[int]:
+def kernel_calls(monkeypatch, needs_the_kernel) -> list[int]:
     """Query lengths of each call of our prefill kernel."""
     calls: list[int] = []
     real = kernels().prefill_attention
@@ -41,6 +41,7 @@ def slow_down(monkeypatch, kernel: str, seconds: float = 0.02) -> None:
         monkeypatch.setattr(attention, "sdpa_chunk_attention", slowed)
 
 
+@pytest.mark.usefixtures("needs_the_kernel")
 @pytest.mark.parametrize("slower", [OURS, SDPA])
 def test_the_kernel_timed_faster_is_chosen(monkeypatch, slower):
     slow_down(monkeypatch, slower)
