@@ -101,7 +101,7 @@ class LLMEngine:
         if self._caches_step_buffers:
             try:
                 cache_step_buffers()
-            except RuntimeError as e:  # a float32 engine's first build of the kernels
+            except RuntimeError as e:  # a --compile engine, which builds the kernels for this alone
                 logger.warning("step buffers not cached (the CPU kernels did not build): %s", e)
                 self._caches_step_buffers = False
         if device.type == "cuda" and not config.enforce_eager:

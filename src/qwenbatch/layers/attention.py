@@ -207,7 +207,7 @@ class KernelAttentionMetadata(TorchAttentionMetadata):
         return cls(base.slot_mapping, base.prefills, base.num_decodes, None, None, tables, lens, own_prefill)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        if self.own_prefill and q.dtype == torch.bfloat16:
+        if self.own_prefill:  # chosen for a bf16 engine only
             return kernels().prefill_attention(q, k, v, scale)
         return super()._prefill(q, k, v, scale)
 
