@@ -128,7 +128,13 @@ class Int8Linear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` held as packed int8, or 5-bit where it is Q5_0-exact and ``five_bit``
     (rows padded to a multiple of 16). With ``silu_and_mul``, ``linear`` is a gated MLP's gate_up ([gate; up],
     a multiple of 16 rows) and the layer returns SiLU(gate) * up, computed as each tile's results are stored:
-    SiluAndMul's rounding, without its pass over the [M, 2 * intermediate] result."""
+    SiluAndMul's rounding, without its pass over the [M, 2 * intermediate] result.
+
+    From ``dense_from_rows`` rows of bfloat16 x on (None: never), the product runs instead as a dense bf16 matmul
+    on the weight dequantized for the call (``dense_forward``): where oneDNN has AMX, it can outrun the int8 kernel
+    at a prefill chunk's rows. ``layers/int8_large_m.py`` times both at load and sets it."""
+
+    dense_from_rows: int | None = None
 
     def __init__(
         self,
@@ -173,18 +179,38 @@ class Int8Linear(nn.Module):
         bias = None if bias is None else bias.float()
         if bias is not None and self.padded_out != linear.out_features:
             bias = F.pad(bias, (0, self.padded_out - linear.out_features))
+        self._dense_bias = bias  # in the rows' order, for dense_forward
         if bias is not None and silu_and_mul:
             bias = bias[interleave_gate_up(self.padded_out)]
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        y = self._kernels.int8_linear(
-            rows, self.packed_weight, self.packed_scales, self.bias, self.padded_out, self.bits, self.silu_and_mul
-        )
+        if self.dense_from_rows is not None and len(rows) >= self.dense_from_rows and rows.dtype == torch.bfloat16:
+            y = self.dense_forward(rows)
+        else:
+            y = self.kernel_forward(rows)
         if y.shape[1] != self.out_features:
             y = y[:, : self.out_features]
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def kernel_forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """The layer's output for ``rows`` [M, in_features] in the int8 kernel, rows up to the packed multiple of 16."""
+        return self._kernels.int8_linear(
+            rows, self.packed_weight, self.packed_scales, self.bias, self.padded_out, self.bits, self.silu_and_mul
+        )
+
+    def dense_forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """The layer's output for ``rows`` [M, in_features] (bfloat16) through its weight dequantized to bfloat16
+        and PyTorch's dense matmul, rows up to the packed multiple of 16 (SiLU(gate) * up rounded as SiluAndMul)."""
+        weight_t = self._kernels.int8_dequantize(
+            self.packed_weight, self.packed_scales, self.padded_out, self.in_features, self.bits, self.silu_and_mul
+        )
+        if self._dense_bias is None:
+            y = torch.matmul(rows, weight_t)
+        else:
+            y = torch.addmm(self._dense_bias.to(rows.dtype), rows, weight_t)
+        return self._kernels.silu_and_mul(y) if self.silu_and_mul else y
 
     def extra_repr(self) -> str:
         return (

@@ -8,13 +8,13 @@ its bf16 block products to oneDNN, which runs them in AMX tiles where the CPU ha
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from qwenbatch.layers.attention import sdpa_chunk_attention
 from qwenbatch.layers.cpu_kernels import kernels
+from qwenbatch.layers.timing import best_times_ms
 
 OURS = "avx512bf16-tiles"
 SDPA = "sdpa-flash"
@@ -70,14 +70,6 @@ def choose_prefill_attention(
         OURS: lambda: kernels().prefill_attention(q, k, v, scale),
         SDPA: lambda: sdpa_chunk_attention(q, k, v, scale),
     }
-    best = dict.fromkeys(candidates, float("inf"))
-    with torch.inference_mode():
-        for run in candidates.values():
-            run()
-        for _ in range(repeats):
-            for name, run in candidates.items():
-                start = time.perf_counter()
-                run()
-                best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+    best = best_times_ms(candidates, repeats)
     kernel = OURS if best[OURS] <= best[SDPA] else SDPA
     return PrefillAttentionChoice(kernel, best[OURS], best[SDPA], tokens)

@@ -42,7 +42,8 @@ def prepare_kernels(
     With ``cpu_kernels`` the norms, SiLU * up, RoPE and decode attention run in our fused CPU kernels
     (layers/cpu_kernels.py: a small step is otherwise mostly PyTorch per-op overhead and decode attention's
     gather), and bf16 prefill attention in ours or SDPA's flash kernel, whichever is faster here (timed on the
-    model's heads); int8 needs them. Linears that stay dense are
+    model's heads); int8 needs them. A bf16 engine's int8 linears run as dense bf16 matmuls from the row count at
+    which that was timed faster (layers/int8_large_m.py). Linears that stay dense are
     prepacked for oneDNN where it has a fast path for ``dtype``. Kernels that fail to build raise RuntimeError
     if ``required``, else the PyTorch layers stay (with a warning). With int8 each linear is quantized from its
     weights as ``checkpoint`` holds them, in float32 (the model's copy may be rounded), a slice at a time. With
@@ -69,7 +70,7 @@ def prepare_kernels(
                 raise
             logger.warning("CPU kernels unavailable, running PyTorch's layers instead (--cpu-kernels off): %s", e)
             cpu_kernels = False
-    prefill_attention = SDPA_UNTIMED
+    prefill_attention, int8_rows = SDPA_UNTIMED, None
     if cpu_kernels:
         cfg = model.config
         prefill_attention = choose_prefill_attention(
@@ -80,13 +81,21 @@ def prepare_kernels(
         from qwenbatch.layers.int8_linear import quantize_linears
 
         quantize_linears(model, None if checkpoint is None else checkpoint.read)
+        linear_kernels = f"int8-{kernels().isa()}"
+        if dtype == torch.bfloat16:
+            from qwenbatch.layers import int8_large_m
+
+            large_m = int8_large_m.choose_int8_large_m(int8_large_m.first_mlp_linears(model))
+            int8_large_m.apply(model, large_m)
+            int8_rows = large_m.describe()
         if cpu_kernels:
             from qwenbatch.layers.fused_decode import fuse_decode_layers
 
             fused = fuse_decode_layers(model)
             logger.info("%d decoder layers run decode-only steps in one kernel call", fused)
-        linear_kernels = f"int8-{kernels().isa()}"
     if onednn_available(dtype, device) and pack_linears(model):  # what int8 left dense, or every linear
         packed = f"onednn-prepacked-{str(dtype).removeprefix('torch.')}"
         linear_kernels = packed if quantization == "none" else f"{linear_kernels}+{packed}"
+    if int8_rows is not None:
+        linear_kernels = f"{linear_kernels}, {int8_rows}"
     return ModelKernels(linear_kernels, cpu_kernels, prefill_attention=prefill_attention)

@@ -10,6 +10,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = x . W^T + bias, W packed in 8 or 5 bits with a scale per 32 weights", no_gil,
         py::arg("x"), py::arg("w"), py::arg("scales"), py::arg("bias"), py::arg("n"), py::arg("bits") = 8,
         py::arg("silu_and_mul") = false);
+  m.def("int8_dequantize", &int8_dequantize, "the bf16 W^T [K, N] that a packed int8_linear weight stands for", no_gil,
+        py::arg("w"), py::arg("scales"), py::arg("n"), py::arg("k"), py::arg("bits") = 8,
+        py::arg("gate_up_halves") = false);
   m.def("quantize_groups", &quantize_groups,
         "per group of 32: Q5_0's rule where exact, else Q8_0's -> (int8 values, float16 scales, q5, exact)");
   m.def("isa", &isa, "the instruction set int8_linear was built for");

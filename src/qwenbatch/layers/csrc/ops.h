@@ -10,6 +10,8 @@
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
                           const c10::optional<torch::Tensor>& bias, int64_t N, int64_t bits, bool silu_and_mul);
 std::string isa();
+torch::Tensor int8_dequantize(const torch::Tensor& w, const torch::Tensor& scales, int64_t N, int64_t K, int64_t bits,
+                              bool gate_up_halves);
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_groups(const torch::Tensor& weight);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor silu_and_mul(const torch::Tensor& x);
