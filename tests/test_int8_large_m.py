@@ -103,6 +103,14 @@ def test_the_int8_kernel_stays_where_dense_is_slower_at_the_most_rows(monkeypatc
     assert choose_int8_large_m([]) == NEVER_DENSE
 
 
+@pytest.mark.parametrize(("dense_ms", "chosen"), [(9.5, None), (8.5, 256)])
+def test_dense_must_win_by_a_margin(monkeypatch, dense_ms, chosen):
+    # Within 10% of the int8 kernel, noise could have made the choice: the int8 kernel stays.
+    timed = lambda linears, xs, repeats: int8_large_m.RowsTiming(len(xs[0]), 10.0, dense_ms)  # noqa: E731
+    monkeypatch.setattr(int8_large_m, "_time_both", timed)
+    assert choose_int8_large_m(mlp_linears(), rows=(256, 1024)).dense_from_rows == chosen
+
+
 @pytest.fixture
 def dense_calls(monkeypatch) -> list[int]:
     """Row counts of each dense_forward call."""

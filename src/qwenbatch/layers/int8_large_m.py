@@ -20,8 +20,13 @@ from torch import nn
 from qwenbatch.layers.int8_linear import Int8Linear
 from qwenbatch.layers.timing import best_times_ms
 
-# Row counts timed, smallest first: a mid-size step and a prefill chunk of the CPU's default token budget.
+# Row counts timed: a mid-size step, and half the CPU's default token budget (a full 2,048-row chunk would double the
+# ~270 ms this adds to a start).
 TIMED_ROWS = (256, 1024)
+# Dense must be this much faster to be chosen. The int8 kernel keeps GGUF weights exact and its speed was measured
+# on every kind; on Zen 5 dense came within 9-13% of it at 1,024 rows, close enough for noise to flip the choice,
+# where on the AMX kind it is expected ~2x faster.
+DENSE_MARGIN = 0.9
 
 
 @dataclass(frozen=True)
@@ -67,8 +72,8 @@ def choose_int8_large_m(
     linears: Sequence[Int8Linear], rows: Sequence[int] = TIMED_ROWS, repeats: int = 3
 ) -> Int8LargeMChoice:
     """Time ``linears`` together on bf16 x of each of ``rows`` rows, in the int8 kernel and dense (after a warm-up
-    call each, alternating, best of ``repeats``), from the most rows down while dense wins. Dense from the fewest
-    timed rows at which it wins there and at every larger count; never where it loses at the most."""
+    call each, alternating, best of ``repeats``), from the most rows down while dense wins by DENSE_MARGIN. Dense
+    from the fewest timed rows at which it wins there and at every larger count; never where it loses at the most."""
     if not linears:
         return NEVER_DENSE
     generator = torch.Generator().manual_seed(0)
@@ -78,7 +83,7 @@ def choose_int8_large_m(
         xs = [torch.randn(m, linear.in_features, generator=generator).bfloat16() for linear in linears]
         timing = _time_both(linears, xs, repeats)
         timings.insert(0, timing)
-        if timing.dense_ms >= timing.int8_ms:
+        if timing.dense_ms >= DENSE_MARGIN * timing.int8_ms:
             break
         dense_from_rows = m
     return Int8LargeMChoice(dense_from_rows, tuple(timings))
