@@ -31,6 +31,7 @@ _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = (
     "bindings.cpp",
     "int8_linear.cpp",
+    "dequantize.cpp",
     "quantize.cpp",
     "cpu_ops.cpp",
     "decode_attention.cpp",

@@ -5,8 +5,8 @@ in oneDNN, in AMX tiles where the CPU has them (a bf16 ``F.linear`` at ~1.8 TFLO
 At a decode step's few rows the int8 weight's halved bytes win; at a prefill chunk's many rows the weight
 dequantized for the call (``Int8Linear.dense_forward``: ~1.2 ms for a 9,728 x 896 gate_up on Zen 5) may cost less
 than the faster matmul saves. On AMD's AVX512-BF16 CPUs, without AMX, the int8 kernel is the faster at every row
-count (gate_up at 2,048 rows: ~1.3 TOP/s against oneDNN's ~0.8 TFLOP/s, Zen 5). The CPU's flags cannot say where
-the crossover lies, so the engine measures it on the model's first MLP.
+count (an MLP at 1,024 rows: 1.32 TOP/s against 0.81 TFLOP/s dense, Zen 5). The CPU's flags cannot say where the
+crossover lies, so the engine measures it on the model's first MLP.
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ from qwenbatch.layers.int8_linear import Int8Linear
 from qwenbatch.layers.timing import best_times_ms
 
 # Row counts timed: a mid-size step, and half the CPU's default token budget (a full 2,048-row chunk would double the
-# ~270 ms this adds to a start).
+# ~230 ms this adds to a start).
 TIMED_ROWS = (256, 1024)
-# Dense must be this much faster to be chosen. The int8 kernel keeps GGUF weights exact and its speed was measured
-# on every kind; on Zen 5 dense came within 9-13% of it at 1,024 rows, close enough for noise to flip the choice,
-# where on the AMX kind it is expected ~2x faster.
+# Dense must be this much faster to be chosen: the int8 kernel keeps GGUF weights exact (dense rounds them to bf16),
+# and a best of 3 on a shared host can be off by a few percent. On the AMX kind dense is expected ~1.6x faster.
 DENSE_MARGIN = 0.9
 
 

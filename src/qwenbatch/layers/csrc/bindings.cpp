@@ -1,4 +1,4 @@
-// The CPU kernels module: int8_linear.cpp, quantize.cpp, cpu_ops.cpp, decode_attention.cpp,
+// The CPU kernels module: int8_linear.cpp, dequantize.cpp, quantize.cpp, cpu_ops.cpp, decode_attention.cpp,
 // prefill_attention.cpp, decode_layer.cpp and host_allocator.cpp, built together by layers/cpu_kernels.py.
 #include "ops.h"
 

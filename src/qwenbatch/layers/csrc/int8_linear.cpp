@@ -18,6 +18,7 @@
 // of u5 = q + 16, one 64-byte block per two consecutive chunks (the first in the low nibble), then the 8
 // chunks' fifth bits, 64 bits little-endian each, bit b for byte b of the chunk: one stream of 10 * K bytes.
 #include "float_math.h"
+#include "int8_layout.h"
 #include "prefetch.h"
 
 #include <torch/types.h>
@@ -34,31 +35,11 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32;        // weights per scale
-constexpr int64_t kTileRows = 16;     // weight rows per tile
+using namespace qb;  // the layout (int8_layout.h)
+
 constexpr int64_t kTilesPerTask = 4;  // tiles one parallel task owns
-constexpr int64_t kQ5GroupBytes = 320;  // one tile's 32 k in the 5-bit layout: 256 bytes of nibbles, 64 of fifth bits
-// How far ahead of its dot products a tile's weight stream is prefetched into L2. The hardware prefetchers
-// alone leave memory and arithmetic mostly serial at one row: the 5-bit layers streamed at 18 GB/s against
-// 56 GB/s from cache and ~31 GB/s of read bandwidth; with this, 22 GB/s (AVX-512 BF16 kind, Zen 4, median of 15;
-// 2 to 8 KB ahead alike there). On Zen 5, 2 KB ran a one-row gate_up 1.05x faster than 4 KB, 8 KB 0.87x.
-constexpr int64_t kPrefetchBytes = 2048;
-// The widening pass (see widen_q5_tile) does nothing but stream, so it wants more bytes in flight than a dot
-// product loop that overlaps its loads with arithmetic: 8 KB ahead ran gate_up at 9 / 16 rows 1.29x / 1.12x faster
-// than 2 KB, and 16 KB as 8 (Zen 5).
-constexpr int64_t kWidenPrefetchBytes = 8192;
 constexpr int64_t kStreamRows = 8;  // up to this many rows of x, a linear streams its weights (decode steps)
 constexpr int64_t kStreamAheadRows = 64;  // up to this many, widened 5-bit tiles prefetch the next ones' stream
-
-// Where chunk c's nibble block and fifth bits are in a 5-bit tile.
-inline const uint8_t* q5_nibbles(const uint8_t* tile, int64_t c) { return tile + (c / 8) * kQ5GroupBytes + (c % 8) / 2 * 64; }
-inline const uint8_t* q5_fifth(const uint8_t* tile, int64_t c) { return tile + (c / 8) * kQ5GroupBytes + 256 + (c % 8) * 8; }
-
-// Asks for the weight stream `distance` bytes past [p, p + bytes) into L2.
-inline void prefetch_ahead(const uint8_t* p, int64_t bytes, int64_t distance = kPrefetchBytes) {
-  for (int64_t line = 0; line < bytes; line += 64)
-    qb::prefetch_l2(p + distance + line);
-}
 
 // Four bytes of x as one int32, to be broadcast. Loaded 4 bytes at a time so that the compiler broadcasts
 // straight from memory (a load, no vector ALU op); two chunks read as one 8-byte word went through a general
@@ -235,36 +216,6 @@ QuantizedX quantize_rows(const T* x, int64_t M, int64_t K) {
     }
   });
   return out;
-}
-
-// Widens one tile of 5-bit weights (10 * K bytes) into the int8 layout (16 * K bytes, u = q + 128). The widening
-// pass is the tile's one read from memory: unprefetched, it stalled on each group (9.7% of a 16 x 256 -> 64 run, perf);
-// 2 KB ahead, still 6.5% with two thirds of it waiting on loads.
-inline void widen_q5_tile(const uint8_t* src, int64_t K, uint8_t* dst) {
-#if defined(__AVX512BW__)
-  const __m512i low4 = _mm512_set1_epi8(0x0F), base = _mm512_set1_epi8(0x70), sixteen = _mm512_set1_epi8(16);
-  for (int64_t c = 0; c < K / 4; c += 2) {
-    if (c % 8 == 0) prefetch_ahead(src + c / 8 * kQ5GroupBytes, kQ5GroupBytes, kWidenPrefetchBytes);
-    const __m512i nib = _mm512_loadu_si512(reinterpret_cast<const void*>(q5_nibbles(src, c)));
-    // (nib & 0x0F) | 0x70 is nib + 112; adding 16 where the fifth bit is set makes u5 + 112 = q + 128.
-    __m512i a = _mm512_ternarylogic_epi32(nib, low4, base, 0xEA);
-    __m512i b = _mm512_ternarylogic_epi32(_mm512_srli_epi16(nib, 4), low4, base, 0xEA);
-    uint64_t ka, kb;
-    std::memcpy(&ka, q5_fifth(src, c), 8);
-    std::memcpy(&kb, q5_fifth(src, c + 1), 8);
-    a = _mm512_mask_add_epi8(a, _cvtu64_mask64(ka), a, sixteen);
-    b = _mm512_mask_add_epi8(b, _cvtu64_mask64(kb), b, sixteen);
-    _mm512_storeu_si512(reinterpret_cast<void*>(dst + c * 64), a);
-    _mm512_storeu_si512(reinterpret_cast<void*>(dst + (c + 1) * 64), b);
-  }
-#else
-  for (int64_t c = 0; c < K / 4; ++c)
-    for (int64_t b = 0; b < 64; ++b) {
-      const int nib = (q5_nibbles(src, c)[b] >> (4 * (c % 2))) & 0x0F;
-      const int fifth = (q5_fifth(src, c)[b / 8] >> (b % 8)) & 1;
-      dst[c * 64 + b] = static_cast<uint8_t>(112 + nib + 16 * fifth);
-    }
-#endif
 }
 
 constexpr int64_t kWidenTiles = 2;  // 5-bit tiles widened into a buffer at a time: 28 KB at K = 896
@@ -770,79 +721,3 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
 }
 
 std::string isa() { return kIsa; }
-
-namespace {
-
-// One chunk of a tile (4 k by 16 rows, u = q + 128, `s` the rows' scales) as bf16 into rows k .. k + 3 of W^T
-// (`out`, N wide): each row's 16 values split in two halves of 8, at `columns[0]` and `columns[1]`.
-inline void dequantize_chunk(const uint8_t* u, const c10::Half* s, c10::BFloat16* out, int64_t N,
-                             const int64_t (&columns)[2]) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  // Per row scale in a lane: 16 lanes, one row each; the chunk's 64 bytes are those rows' 4 k.
-  const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-  const __m512i v = _mm512_loadu_si512(reinterpret_cast<const void*>(u));
-  for (int b = 0; b < 4; ++b) {
-    const __m512i q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 8 * b), _mm512_set1_epi32(0xFF)),
-                                       _mm512_set1_epi32(128));
-    const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale);  // finite: |q| <= 128 times a float16
-#if defined(__AVX512BF16__)
-    const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f));
-#else
-    const __m512i bits = _mm512_castps_si512(f);  // rounded to nearest even, as qb::from_f32
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m256i h = _mm512_cvtepi32_epi16(
-        _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
-#endif
-    c10::BFloat16* row = out + b * N;
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(row + columns[0]), _mm256_castsi256_si128(h));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(row + columns[1]), _mm256_extracti128_si256(h, 1));
-  }
-#else
-  for (int b = 0; b < 4; ++b) {
-    float v[kTileRows];
-#pragma omp simd
-    for (int r = 0; r < kTileRows; ++r) v[r] = static_cast<float>(u[r * 4 + b] - 128) * static_cast<float>(s[r]);
-    c10::BFloat16* row = out + b * N;
-    for (int h = 0; h < 2; ++h)
-#pragma omp simd
-      for (int r = 0; r < kTileRows / 2; ++r) row[columns[h] + r] = qb::from_f32<c10::BFloat16>(v[h * 8 + r]);
-  }
-#endif
-}
-
-}  // namespace
-
-// The bfloat16 weight that packed w stands for, transposed: [K, N] with W^T[k][n] = q * s rounded to bfloat16,
-// for a dense bf16 matmul (oneDNN, in AMX tiles where the CPU has them) at many rows of x. With gate_up_halves,
-// w is a gated MLP's gate_up, its rows interleaved 8 by 8, and the columns come out in [gate; up] order.
-torch::Tensor int8_dequantize(const torch::Tensor& w, const torch::Tensor& scales, int64_t N, int64_t K, int64_t bits,
-                              bool gate_up_halves) {
-  TORCH_CHECK(K % kGroup == 0 && N % kTileRows == 0, "int8_dequantize: K must divide by 32 and N by 16");
-  TORCH_CHECK(bits == 8 || bits == 5, "int8_dequantize: bits must be 8 or 5");
-  const int64_t tile_bytes = kTileRows * K * bits / 8, G = K / kGroup;
-  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == N / kTileRows * tile_bytes,
-              "int8_dequantize: w must be contiguous uint8 with N * K * bits / 8 elements");
-  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.numel() == N * G,
-              "int8_dequantize: scales must be contiguous float16 with N * K / 32 elements");
-  torch::Tensor out = torch::empty({K, N}, torch::kBFloat16);
-  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const c10::Half* sp = scales.data_ptr<c10::Half>();
-  constexpr int64_t kHalf = kTileRows / 2;
-  at::parallel_for(0, N / kTileRows, kTilesPerTask, [&](int64_t t0, int64_t t1) {
-    std::vector<uint8_t> widened(bits == 5 ? kTileRows * K : 0);
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* u = wp + t * tile_bytes;  // u = q + 128, [K / 4][16 rows][4]
-      if (bits == 5) {
-        widen_q5_tile(u, K, widened.data());
-        u = widened.data();
-      }
-      const int64_t columns[2] = {gate_up_halves ? t * kHalf : t * kTileRows,
-                                  gate_up_halves ? N / 2 + t * kHalf : t * kTileRows + kHalf};
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t c = g * 8; c < g * 8 + 8; ++c)
-          dequantize_chunk(u + c * 64, sp + (t * G + g) * kTileRows, o + c * 4 * N, N, columns);
-    }
-  });
-  return out;
-}
