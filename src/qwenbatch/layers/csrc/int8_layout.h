@@ -37,7 +37,9 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes, int64_t distance = k
 // Widens one tile of 5-bit weights (10 * K bytes) into the int8 layout (16 * K bytes, u = q + 128). The widening
 // pass is the tile's one read from memory: unprefetched, it stalled on each group (9.7% of a 16 x 256 -> 64 run, perf);
 // 2 KB ahead, still 6.5% with two thirds of it waiting on loads.
-inline void widen_q5_tile(const uint8_t* src, int64_t K, uint8_t* dst) {
+// Always inlined: with a second caller in its source file, GCC 12 kept it out of line, and the 5-bit kernels that
+// call it per tile ran 0.57-0.69x as fast from 16 rows up (benchmarks/kernel_ab.py, Zen 5).
+__attribute__((always_inline)) inline void widen_q5_tile(const uint8_t* src, int64_t K, uint8_t* dst) {
 #if defined(__AVX512BW__)
   const __m512i low4 = _mm512_set1_epi8(0x0F), base = _mm512_set1_epi8(0x70), sixteen = _mm512_set1_epi8(16);
   for (int64_t c = 0; c < K / 4; c += 2) {
