@@ -145,3 +145,23 @@ def test_an_int8_bf16_engine_runs_dense_from_the_chosen_rows(tiny_qwen3, monkeyp
     shared = top_want.keys() & top_got.keys()
     assert len(shared) >= 3
     assert max(abs(top_want[t] - top_got[t]) for t in shared) < 0.05
+
+
+def test_decode_steps_of_as_many_rows_run_dense_too(tiny_qwen3, monkeypatch, dense_calls):
+    """Decode-only steps go to the fused decode layer's int8 kernel below the chosen row count, and through the
+    layers' own forward, dense, from it (a large batch decoding on the AMX kind)."""
+    monkeypatch.setattr(int8_large_m, "choose_int8_large_m", lambda linears: int8_large_m.Int8LargeMChoice(16))
+    llm = LLM(model=str(tiny_qwen3), dtype="bfloat16", kv_cache_memory=8 * 2**20, quantization="int8")
+    fused_calls = []
+    real = kernels().decode_layer
+    monkeypatch.setattr(kernels(), "decode_layer", lambda x, *a: fused_calls.append(len(x)) or real(x, *a))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for batch in (20, 4):
+        dense_calls.clear()
+        fused_calls.clear()
+        outs = llm.generate([[5 + i, 9, 14] for i in range(batch)], params, use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [3] * batch
+        if batch == 20:  # the prompts' 60 rows, then two decode steps of 20, all dense
+            assert set(dense_calls) == {60, 20} and not fused_calls
+        else:  # 12 prompt rows and steps of 4: the int8 kernel, decode steps fused
+            assert not dense_calls and set(fused_calls) == {4}

@@ -44,10 +44,18 @@ class FusedDecodeLayer:
         weights.heads, weights.kv_heads, weights.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         weights.eps, weights.scale = layer.input_layernorm.eps, attn.scale
         self.weights = weights
+        self._gate_up = mlp.gate_up_proj  # its dense_from_rows, set after fusing (layers/int8_large_m.py)
 
-    @staticmethod
-    def accepts(meta: AttentionMetadata) -> bool:
-        return isinstance(meta, KernelAttentionMetadata) and not meta.prefills and meta.num_decodes > 0
+    def accepts(self, meta: AttentionMetadata) -> bool:
+        """Decode-only steps of the CPU kernels' attention, of fewer rows than the int8 linears run dense from:
+        from there, the layer's own forward multiplies densely."""
+        dense_from = self._gate_up.dense_from_rows
+        return (
+            isinstance(meta, KernelAttentionMetadata)
+            and not meta.prefills
+            and meta.num_decodes > 0
+            and (dense_from is None or meta.num_decodes < dense_from)
+        )
 
     def __call__(self, x, rope: Rope, kv_cache, meta: KernelAttentionMetadata):
         return kernels().decode_layer(
