@@ -1,7 +1,6 @@
 // int8_dequantize: a packed int8_linear weight (int8_layout.h) written back as a bf16 matrix, for a dense bf16
-// matmul at many rows of x (layers/int8_large_m.py). In a source of its own, so that int8_linear.cpp, whose
-// kernels are tuned by measurement, compiles as it did: added there, it made GCC compile the 5-bit kernels
-// 0.57-0.69x as fast from 16 rows up (benchmarks/kernel_ab.py, Zen 5).
+// matmul at many rows of x (layers/int8_large_m.py). In a source of its own: added to int8_linear.cpp, it made GCC
+// take the widening pass out of line there, and the 5-bit kernels ran 0.57-0.69x as fast (see QB_ALWAYS_INLINE).
 #include "float_math.h"
 #include "int8_layout.h"
 #include "ops.h"

@@ -9,6 +9,11 @@
 #include <cstdint>
 #include <cstring>
 
+// For the small helpers of the kernels' inner loops. GCC decides what to inline within a budget for the whole
+// source file, so adding code anywhere in int8_linear.cpp moved those decisions: once the widening pass went out of
+// line, once the tile kernels' stores, and the 5-bit kernels ran 0.57-0.76x as fast (benchmarks/kernel_ab.py, Zen 5).
+#define QB_ALWAYS_INLINE __attribute__((always_inline)) inline
+
 namespace qb {
 
 constexpr int64_t kGroup = 32;          // weights per scale
@@ -29,7 +34,7 @@ inline const uint8_t* q5_nibbles(const uint8_t* tile, int64_t c) { return tile +
 inline const uint8_t* q5_fifth(const uint8_t* tile, int64_t c) { return tile + (c / 8) * kQ5GroupBytes + 256 + (c % 8) * 8; }
 
 // Asks for the weight stream `distance` bytes past [p, p + bytes) into L2.
-inline void prefetch_ahead(const uint8_t* p, int64_t bytes, int64_t distance = kPrefetchBytes) {
+QB_ALWAYS_INLINE void prefetch_ahead(const uint8_t* p, int64_t bytes, int64_t distance = kPrefetchBytes) {
   for (int64_t line = 0; line < bytes; line += 64)
     prefetch_l2(p + distance + line);
 }
@@ -37,9 +42,7 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes, int64_t distance = k
 // Widens one tile of 5-bit weights (10 * K bytes) into the int8 layout (16 * K bytes, u = q + 128). The widening
 // pass is the tile's one read from memory: unprefetched, it stalled on each group (9.7% of a 16 x 256 -> 64 run, perf);
 // 2 KB ahead, still 6.5% with two thirds of it waiting on loads.
-// Always inlined: with a second caller in its source file, GCC 12 kept it out of line, and the 5-bit kernels that
-// call it per tile ran 0.57-0.69x as fast from 16 rows up (benchmarks/kernel_ab.py, Zen 5).
-__attribute__((always_inline)) inline void widen_q5_tile(const uint8_t* src, int64_t K, uint8_t* dst) {
+QB_ALWAYS_INLINE void widen_q5_tile(const uint8_t* src, int64_t K, uint8_t* dst) {
 #if defined(__AVX512BW__)
   const __m512i low4 = _mm512_set1_epi8(0x0F), base = _mm512_set1_epi8(0x70), sixteen = _mm512_set1_epi8(16);
   for (int64_t c = 0; c < K / 4; c += 2) {

@@ -73,7 +73,7 @@ struct Output {
 
   // v: [R][16 * T]. qb::from_f32 rounds as c10's conversion does, in code the compiler vectorizes.
   template <int R, int T, typename S>
-  inline void store_as(int64_t m, int64_t n, const float* v) const {
+  QB_ALWAYS_INLINE void store_as(int64_t m, int64_t n, const float* v) const {
     constexpr int kLanes = kTileRows * T;
     alignas(64) float biased[R][kLanes];
     for (int i = 0; i < R; ++i)
@@ -109,7 +109,7 @@ struct Output {
   }
 
   template <int R = 1, int T = 1>
-  inline void store(int64_t m, int64_t n, const float* v) const {
+  QB_ALWAYS_INLINE void store(int64_t m, int64_t n, const float* v) const {
     switch (type) {
       case torch::kBFloat16: store_as<R, T, c10::BFloat16>(m, n, v); break;
       case torch::kHalf: store_as<R, T, c10::Half>(m, n, v); break;
@@ -231,7 +231,7 @@ struct StreamAhead {
   StreamAhead(const uint8_t* begin, int64_t bytes, int64_t steps)
       : next(begin), end(begin + bytes), lines_per_step((bytes / 64 + steps - 1) / std::max<int64_t>(1, steps)) {}
 
-  inline void step() {
+  QB_ALWAYS_INLINE void step() {
     for (int64_t i = 0; i < lines_per_step && next < end; ++i, next += 64) qb::prefetch_l2(next);
   }
 };
@@ -257,7 +257,7 @@ constexpr const char* kIsa = "avx512-vnni";
 // The weights of two consecutive 4-k chunks (c0, c0 + 1) of T tiles, as u = q + 128 bytes: loaded (8-bit
 // layout), or widened in registers from the 5-bit one (see widen_q5_tile).
 template <bool Q5, int T>
-inline void load_chunk_pair(const uint8_t* w, int64_t K, int64_t c0, __m512i (&w0)[T], __m512i (&w1)[T]) {
+QB_ALWAYS_INLINE void load_chunk_pair(const uint8_t* w, int64_t K, int64_t c0, __m512i (&w0)[T], __m512i (&w1)[T]) {
   const int64_t tile_bytes = kTileRows * K * (Q5 ? 5 : 8) / 8;
   for (int t = 0; t < T; ++t) {
     const uint8_t* wt = w + t * tile_bytes;
@@ -283,7 +283,7 @@ inline void load_chunk_pair(const uint8_t* w, int64_t K, int64_t c0, __m512i (&w
 // stopping at the end left the next call's last tile to start cold, 2 KB of each 9 KB tile of the 5-bit gate_up.
 // (A group that straddles the end still asks for tile t + 1's head.)
 template <int T>
-inline void prefetch_tile_ahead(const uint8_t* w, int64_t tile_bytes, int t, int64_t offset, int64_t bytes) {
+QB_ALWAYS_INLINE void prefetch_tile_ahead(const uint8_t* w, int64_t tile_bytes, int t, int64_t offset, int64_t bytes) {
   const int64_t past_end = offset + kPrefetchBytes >= tile_bytes ? (T - 1) * tile_bytes : 0;
   prefetch_ahead(w + t * tile_bytes + past_end + offset, bytes);
 }
@@ -417,7 +417,7 @@ inline __m256i bits_to_bytes(uint32_t bits) {
 // The weights of two consecutive 4-k chunks (c0 even, c0 + 1) of one tile, w[c][h] holding rows 8h .. 8h + 7:
 // q = u ^ 0x80 from the 8-bit layout, else u5 bytes (loaded, or widened: nibble + 16 where the fifth bit is set).
 template <Layout L>
-inline void load_chunk_pair(const uint8_t* tile, int64_t c0, __m256i (&w)[2][2]) {
+QB_ALWAYS_INLINE void load_chunk_pair(const uint8_t* tile, int64_t c0, __m256i (&w)[2][2]) {
   if constexpr (L == Layout::kQ5) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
     uint32_t fifth[2][2];
