@@ -12,6 +12,7 @@
 // For the small helpers of the kernels' inner loops. GCC decides what to inline within a budget for the whole
 // source file, so adding code anywhere in int8_linear.cpp moved those decisions: once the widening pass went out of
 // line, once the tile kernels' stores, and the 5-bit kernels ran 0.57-0.76x as fast (benchmarks/kernel_ab.py, Zen 5).
+// Not for Output's stores: forced inline they slowed the AVX2 one-row kernel 0.60x, kept out of line 0.89x.
 #define QB_ALWAYS_INLINE __attribute__((always_inline)) inline
 
 namespace qb {

@@ -73,7 +73,7 @@ struct Output {
 
   // v: [R][16 * T]. qb::from_f32 rounds as c10's conversion does, in code the compiler vectorizes.
   template <int R, int T, typename S>
-  QB_ALWAYS_INLINE void store_as(int64_t m, int64_t n, const float* v) const {
+  inline void store_as(int64_t m, int64_t n, const float* v) const {
     constexpr int kLanes = kTileRows * T;
     alignas(64) float biased[R][kLanes];
     for (int i = 0; i < R; ++i)
@@ -109,7 +109,7 @@ struct Output {
   }
 
   template <int R = 1, int T = 1>
-  QB_ALWAYS_INLINE void store(int64_t m, int64_t n, const float* v) const {
+  inline void store(int64_t m, int64_t n, const float* v) const {
     switch (type) {
       case torch::kBFloat16: store_as<R, T, c10::BFloat16>(m, n, v); break;
       case torch::kHalf: store_as<R, T, c10::Half>(m, n, v); break;
