@@ -597,9 +597,13 @@ def test_get_config_reports_the_engine_settings(guarded, tiny_qwen3):
         "num_kv_blocks": bm.num_blocks,
         "num_kv_tokens": bm.num_blocks * 16,
         "enable_prefix_caching": True,
+        # What this machine chose at load, as the log says it.
+        "linear_kernels": guarded.engine.runner.linear_kernels,
+        "prefill_attention": guarded.engine.runner.prefill_attention,
     }
     assert {k: config.get(k) for k in expected} == expected
     assert config["num_kv_blocks"] > 0
+    assert config["linear_kernels"] and config["prefill_attention"]
 
 
 LIMITS = ("max_num_seqs", "max_num_batched_tokens")

@@ -45,6 +45,9 @@ class EngineSnapshot:
     max_model_len: int
     num_kv_blocks: int
     block_size: int
+    # The kernels chosen at load for this machine, timings included (as in the log and bench JSON).
+    linear_kernels: str
+    prefill_attention: str
 
     def as_dict(self) -> dict:
         values = dataclasses.asdict(self.config)
@@ -53,6 +56,8 @@ class EngineSnapshot:
             max_model_len=self.max_model_len,
             num_kv_blocks=self.num_kv_blocks,
             num_kv_tokens=self.num_kv_blocks * self.block_size,
+            linear_kernels=self.linear_kernels,
+            prefill_attention=self.prefill_attention,
         )
         return values
 
@@ -320,6 +325,8 @@ class AsyncEngine:
             engine.max_model_len,
             engine.block_manager.num_blocks,
             engine.block_manager.block_size,
+            engine.runner.linear_kernels,
+            engine.runner.prefill_attention,
         )
 
     def _publish_stats(self) -> None:
