@@ -25,10 +25,18 @@ from qwenbatch.layers.int8_linear import (
 )
 
 
-@pytest.mark.parametrize("target", ["native", "avx2", "portable"])
+def cpu_has(flag: str) -> bool:
+    with open("/proc/cpuinfo") as f:
+        return flag in next((line for line in f if line.startswith("flags")), "").split()
+
+
+# avx512: AVX-512 without BF16, whose conversion to bf16 rounds in integer code of its own.
+@pytest.mark.parametrize("target", ["native", "avx2", "portable", "avx512"])
 @pytest.mark.parametrize("bits", [8, 5])
 @pytest.mark.parametrize("gate_up_halves", [False, True])
 def test_dequantized_weight_is_the_packed_one_rounded_to_bf16(target, bits, gate_up_halves):
+    if target == "avx512" and not cpu_has("avx512bw"):
+        pytest.skip("the avx512 build needs an AVX-512 CPU")
     torch.manual_seed(bits)
     n, k = 96, 128
     weight = torch.randn(n, k) * torch.rand(n, 1)
@@ -49,11 +57,19 @@ class GatedMLP(nn.Module):
 
 @pytest.mark.parametrize(
     ("layer", "fused"),
-    [(nn.Linear(64, 50), False), (nn.Linear(64, 160, bias=False), True), (nn.Linear(96, 48, bias=False), False)],
+    [
+        (nn.Linear(64, 50), False),
+        (nn.Linear(64, 160, bias=False), True),
+        (nn.Linear(64, 160), True),
+        (nn.Linear(96, 48, bias=False), False),
+    ],
 )
 def test_dense_forward_gives_the_kernels_result(layer, fused):
-    # 50 rows with a bias: padded to 64 and sliced back; 160: a gated MLP's gate_up with SiLU(gate) * up.
+    # 50 output features with a bias: padded to 64 and sliced back; 160: a gated MLP's gate_up with SiLU(gate) * up,
+    # with and without a bias (large, so that one added in the wrong order could not pass for rounding).
     torch.manual_seed(1)
+    if layer.bias is not None:
+        layer.bias.data = torch.randn(layer.out_features) * 2
     int8 = Int8Linear(layer, silu_and_mul=fused)
     x = (torch.randn(2, 17, layer.in_features) * 2).bfloat16()
     want = int8(x)
@@ -132,7 +148,9 @@ def test_an_int8_bf16_engine_runs_dense_from_the_chosen_rows(tiny_qwen3, monkeyp
     monkeypatch.setattr(int8_large_m, "choose_int8_large_m", lambda linears: int8_large_m.Int8LargeMChoice(16))
     dense = LLM(**common)
     assert dense.engine.runner.linear_kernels.endswith(", dequantized to bf16 for a dense matmul from 16 rows")
-    assert {m.dense_from_rows for m in dense.engine.runner.model.modules() if isinstance(m, Int8Linear)} == {16}
+    model = dense.engine.runner.model
+    assert {m.dense_from_rows for m in model.modules() if isinstance(m, Int8Linear) and m is not model.lm_head} == {16}
+    assert model.lm_head.dense_from_rows is None  # never timed, and a vocabulary-sized matrix to dequantize
     assert first_mlp_linears(dense.engine.runner.model)
     prompt = list(range(3, 43))
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=5, ignore_eos=True)
@@ -161,7 +179,7 @@ def test_decode_steps_of_as_many_rows_run_dense_too(tiny_qwen3, monkeypatch, den
         fused_calls.clear()
         outs = llm.generate([[5 + i, 9, 14] for i in range(batch)], params, use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in outs] == [3] * batch
-        if batch == 20:  # the prompts' 60 rows, then two decode steps of 20, all dense
+        if batch == 20:  # the prompts' 60 rows, then two decode steps of 20, all dense (the LM head never)
             assert set(dense_calls) == {60, 20} and not fused_calls
         else:  # 12 prompt rows and steps of 4: the int8 kernel, decode steps fused
             assert not dense_calls and set(fused_calls) == {4}

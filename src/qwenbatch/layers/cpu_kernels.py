@@ -43,8 +43,14 @@ _SOURCES = (
 # blend where it has no masked instructions, and with AVX2 only every loop calling qb::vec_exp (SiLU, softmax)
 # stayed scalar ("control flow in loop"), while AVX-512 builds vectorized them (tests/test_cpu_kernels.py checks).
 _CODEGEN = "-fno-trapping-math"
-# -march per build target; "native" is what the engine uses, the others let tests check every code path here.
-_TARGETS = {"native": "-march=native", "avx2": "-march=x86-64-v3", "portable": "-march=x86-64-v2"}
+# -march per build target; "native" is what the engine uses, the others let tests check every code path here
+# ("avx512": AVX-512 without VNNI or BF16, as on Skylake servers; runnable only on an AVX-512 CPU).
+_TARGETS = {
+    "native": "-march=native",
+    "avx2": "-march=x86-64-v3",
+    "portable": "-march=x86-64-v2",
+    "avx512": "-march=skylake-avx512",
+}
 
 
 def _cpu_flags() -> str:
@@ -71,7 +77,7 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
 @functools.cache
 def kernels(target: str = "native"):
     """The compiled module. ``native`` builds for this CPU (the int8 linear's VNNI kernel where the CPU
-    has AVX-512 VNNI, else its AVX2 one, else plain loops); ``avx2`` and ``portable`` force the others."""
+    has AVX-512 VNNI, else its AVX2 one, else plain loops); ``avx2``, ``portable`` and ``avx512`` force others."""
     return build(_CSRC, target)
 
 

@@ -44,7 +44,7 @@ class FusedDecodeLayer:
         weights.heads, weights.kv_heads, weights.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         weights.eps, weights.scale = layer.input_layernorm.eps, attn.scale
         self.weights = weights
-        self._gate_up = mlp.gate_up_proj  # its dense_from_rows, set after fusing (layers/int8_large_m.py)
+        self._gate_up = mlp.gate_up_proj  # its dense_from_rows (layers/int8_large_m.py), read at each step
 
     def accepts(self, meta: AttentionMetadata) -> bool:
         """Decode-only steps of the CPU kernels' attention, of fewer rows than the int8 linears run dense from:

@@ -4,8 +4,8 @@ The int8 kernel (csrc/int8_linear.cpp) multiplies 64 int8 pairs an instruction w
 in oneDNN, in AMX tiles where the CPU has them (a bf16 ``F.linear`` at ~1.8 TFLOP/s on 2 cores of the AMX kind).
 At a decode step's few rows the int8 weight's halved bytes win; at a prefill chunk's many rows the weight
 dequantized for the call (``Int8Linear.dense_forward``: ~1.2 ms for a 9,728 x 896 gate_up on Zen 5) may cost less
-than the faster matmul saves. On AMD's AVX512-BF16 CPUs, without AMX, the int8 kernel is the faster at every row
-count (an MLP at 1,024 rows: 1.32 TOP/s against 0.81 TFLOP/s dense, Zen 5). The CPU's flags cannot say where the
+than the faster matmul saves. On Zen 5 (AVX512-BF16, no AMX) the int8 kernel was the faster at every row count
+(an MLP at 1,024 rows: 1.32 TOP/s against 0.81 TFLOP/s dense). The CPU's flags cannot say where the
 crossover lies, so the engine measures it on the model's first MLP.
 """
 
@@ -45,7 +45,8 @@ class Int8LargeMChoice:
     timings: tuple[RowsTiming, ...] = ()
 
     def describe(self) -> str:
-        """For the log and bench JSON, e.g. "int8 kernel at every row count (timed: 256 rows 2.9 / 4.1 ms, ...)"."""
+        """For the log, bench JSON and /config, e.g. "int8 kernel at every row count (timed int8 / dense: 1024 rows
+        20.1 / 32.8 ms)"."""
         chosen = (
             "int8 kernel at every row count"
             if self.dense_from_rows is None
@@ -100,7 +101,10 @@ def _time_both(linears: Sequence[Int8Linear], xs: Sequence[torch.Tensor], repeat
 
 
 def apply(model: nn.Module, choice: Int8LargeMChoice) -> None:
-    """Set every int8 linear of ``model`` to run dense from ``choice``'s row count on."""
+    """Set every int8 linear of ``model`` but its LM head to run dense from ``choice``'s row count on. The LM head
+    was not timed, and dequantizing it would write a vocabulary x hidden bf16 matrix a call (272 MB for the
+    default model's)."""
+    lm_head = getattr(model, "lm_head", None)
     for module in model.modules():
-        if isinstance(module, Int8Linear):
+        if isinstance(module, Int8Linear) and module is not lm_head:
             module.dense_from_rows = choice.dense_from_rows

@@ -179,7 +179,8 @@ class Int8Linear(nn.Module):
         bias = None if bias is None else bias.float()
         if bias is not None and self.padded_out != linear.out_features:
             bias = F.pad(bias, (0, self.padded_out - linear.out_features))
-        self._dense_bias = bias  # in the rows' order, for dense_forward
+        # For dense_forward: in [gate; up] order, rounded to bf16 as a bf16 checkpoint's bias is.
+        self._dense_bias = None if bias is None else bias.bfloat16()
         if bias is not None and silu_and_mul:
             bias = bias[interleave_gate_up(self.padded_out)]
         self.bias = bias
@@ -195,21 +196,20 @@ class Int8Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def kernel_forward(self, rows: torch.Tensor) -> torch.Tensor:
-        """The layer's output for ``rows`` [M, in_features] in the int8 kernel, rows up to the packed multiple of 16."""
+        """The layer's output for ``rows`` [M, in_features] in the int8 kernel: ``padded_out`` columns (SiLU(gate) *
+        up's half of them with ``silu_and_mul``)."""
         return self._kernels.int8_linear(
             rows, self.packed_weight, self.packed_scales, self.bias, self.padded_out, self.bits, self.silu_and_mul
         )
 
     def dense_forward(self, rows: torch.Tensor) -> torch.Tensor:
         """The layer's output for ``rows`` [M, in_features] (bfloat16) through its weight dequantized to bfloat16
-        and PyTorch's dense matmul, rows up to the packed multiple of 16 (SiLU(gate) * up rounded as SiluAndMul)."""
+        and PyTorch's dense matmul: ``padded_out`` columns, or SiLU(gate) * up's half rounded as SiluAndMul."""
         weight_t = self._kernels.int8_dequantize(
             self.packed_weight, self.packed_scales, self.padded_out, self.in_features, self.bits, self.silu_and_mul
         )
-        if self._dense_bias is None:
-            y = torch.matmul(rows, weight_t)
-        else:
-            y = torch.addmm(self._dense_bias.to(rows.dtype), rows, weight_t)
+        bias = self._dense_bias
+        y = torch.matmul(rows, weight_t) if bias is None else torch.addmm(bias, rows, weight_t)
         return self._kernels.silu_and_mul(y) if self.silu_and_mul else y
 
     def extra_repr(self) -> str:
