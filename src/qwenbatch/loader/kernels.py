@@ -70,7 +70,7 @@ def prepare_kernels(
                 raise
             logger.warning("CPU kernels unavailable, running PyTorch's layers instead (--cpu-kernels off): %s", e)
             cpu_kernels = False
-    prefill_attention, int8_rows = SDPA_UNTIMED, None
+    prefill_attention, dense_choice = SDPA_UNTIMED, None
     if cpu_kernels:
         cfg = model.config
         prefill_attention = choose_prefill_attention(
@@ -87,7 +87,7 @@ def prepare_kernels(
 
             large_m = int8_large_m.choose_int8_large_m(int8_large_m.first_mlp_linears(model))
             int8_large_m.apply(model, large_m)
-            int8_rows = large_m.describe()
+            dense_choice = large_m.describe()
         if cpu_kernels:
             from qwenbatch.layers.fused_decode import fuse_decode_layers
 
@@ -96,6 +96,6 @@ def prepare_kernels(
     if onednn_available(dtype, device) and pack_linears(model):  # what int8 left dense, or every linear
         packed = f"onednn-prepacked-{str(dtype).removeprefix('torch.')}"
         linear_kernels = packed if quantization == "none" else f"{linear_kernels}+{packed}"
-    if int8_rows is not None:
-        linear_kernels = f"{linear_kernels}, {int8_rows}"
+    if dense_choice is not None:
+        linear_kernels = f"{linear_kernels}, {dense_choice}"
     return ModelKernels(linear_kernels, cpu_kernels, prefill_attention=prefill_attention)

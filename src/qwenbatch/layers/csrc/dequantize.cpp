@@ -16,6 +16,7 @@
 namespace {
 
 using namespace qb;  // the layout
+
 // One chunk of a tile (4 k by 16 rows, u = q + 128, `s` the rows' scales) as bf16 into rows k .. k + 3 of W^T
 // (`out`, N wide): each row's 16 values split in two halves of 8, at `columns[0]` and `columns[1]`.
 inline void dequantize_chunk(const uint8_t* u, const c10::Half* s, c10::BFloat16* out, int64_t N,
