@@ -290,3 +290,50 @@ def test_engine_keeps_a_q5_0_gguf_exact_in_bfloat16(tiny_qwen2, tmp_path):
     x = torch.randn(4, layer.in_features, dtype=torch.bfloat16)
     want = kernels().int8_linear(x, *pack(values, scales), None, layer.out_features, 8)
     assert torch.equal(layer(x), want)
+
+
+@pytest.fixture
+def threads():
+    """Sets torch's thread count for one test, then puts it back."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_a_many_core_machine_gets_work_for_every_thread_on_narrow_layers():
+    # The default model's down and o projections have 896 outputs: 56 tiles. Cut by tiles alone (14 runs of 4)
+    # they kept at most 14 of a 64-core machine's threads busy; rows and shorter runs give every thread tasks.
+    ops = kernels()
+    for m, threads_ in [(2048, 64), (512, 32), (64, 64)]:
+        tiles_per_task, runs, rows_per_block, blocks = ops.int8_linear_tasks(m, 896, threads_)
+        assert runs * blocks >= threads_
+        assert runs * tiles_per_task >= 56 and blocks * rows_per_block >= m and rows_per_block % 4 == 0
+        assert tiles_per_task >= 2 and rows_per_block >= 16  # the AVX-512 kernel's widest tile block; enough rows
+    assert ops.int8_linear_tasks(1, 896, 64) == (1, 56, 1, 1)  # a decode step: one tile a task, every tile a task
+    # Where tiles alone give each thread several tasks, nothing changes: 2 threads run as they always did.
+    assert ops.int8_linear_tasks(2048, 896, 2) == (4, 14, 2048, 1)
+    assert ops.int8_linear_tasks(2048, 9728, 64) == (2, 304, 2048, 1)
+
+
+@pytest.mark.parametrize("target", ["native", "avx2", "portable"])
+@pytest.mark.parametrize(("bits", "silu_and_mul"), [(8, False), (5, False), (5, True), (8, True)])
+@pytest.mark.parametrize("m", [1, 6, 40, 150])
+def test_every_thread_count_gives_the_same_result_bit_for_bit(threads, target, bits, silu_and_mul, m):
+    # Each output is one task's sum in one order however the call is cut, so thread counts that cut it into row
+    # blocks and short tile runs (16 threads) or not at all (1) agree exactly, and with the quantized product.
+    torch.manual_seed(bits * 1000 + m)
+    n, k = 96, 128
+    values, scales = q5_0_blocks(n, k)
+    layout = pack_q5 if bits == 5 else pack
+    order = interleave_gate_up(n) if silu_and_mul else torch.arange(n)
+    weight = layout(values[order], scales[order])
+    x, bias = torch.randn(m, k).bfloat16(), torch.randn(n)
+    ops = kernels(target)
+    results = []
+    for count in (1, 3, 16):
+        threads(count)
+        results.append(ops.int8_linear(x, *weight, bias[order], n, bits, silu_and_mul))
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+    if not silu_and_mul:
+        want = reference(x, values, scales) + bias.double()
+        torch.testing.assert_close(results[0].double(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))

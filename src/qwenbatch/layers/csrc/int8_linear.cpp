@@ -19,6 +19,7 @@
 // chunks' fifth bits, 64 bits little-endian each, bit b for byte b of the chunk: one stream of 10 * K bytes.
 #include "float_math.h"
 #include "int8_layout.h"
+#include "int8_tasks.h"
 #include "prefetch.h"
 
 #include <torch/types.h>
@@ -37,7 +38,6 @@ namespace {
 
 using namespace qb;  // the layout (int8_layout.h)
 
-constexpr int64_t kTilesPerTask = 4;  // tiles one parallel task owns
 constexpr int64_t kStreamRows = 8;  // up to this many rows of x, a linear streams its weights (decode steps)
 constexpr int64_t kStreamAheadRows = 64;  // up to this many, widened 5-bit tiles prefetch the next ones' stream
 
@@ -50,6 +50,12 @@ inline int32_t load4(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return v;
 }
+
+// The rows [begin, end) of x a task multiplies.
+struct Rows {
+  int64_t begin, end;
+  int64_t count() const { return end - begin; }
+};
 
 struct QuantizedX {
   std::vector<int8_t> q;      // [M, K]
@@ -345,50 +351,50 @@ inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8
 }
 
 template <bool Q5, int T>
-inline void rows_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
+inline void rows_kernel(const QuantizedX& xq, Rows rows, int64_t K, const uint8_t* w, const c10::Half* s,
                         const Output& out, int64_t n0, StreamAhead* ahead) {
-  int64_t m = 0;
+  int64_t m = rows.begin;
   // With few rows the tile streams from memory once, and the first row block prefetches it; with many the
   // kernel is bound by its arithmetic, and prefetching cost prefill ~5%.
-  const bool stream = M <= kStreamRows;
-  for (; m + 4 <= M; m += 4) tile_kernel<Q5, 4, T>(xq, m, K, w, s, out, n0, stream && m == 0, ahead);
-  for (; m + 2 <= M; m += 2) tile_kernel<Q5, 2, T>(xq, m, K, w, s, out, n0, stream && m == 0, ahead);
-  for (; m < M; ++m) tile_kernel<Q5, 1, T>(xq, m, K, w, s, out, n0, stream && m == 0, ahead);
+  const bool stream = rows.count() <= kStreamRows;
+  for (; m + 4 <= rows.end; m += 4) tile_kernel<Q5, 4, T>(xq, m, K, w, s, out, n0, stream && m == rows.begin, ahead);
+  for (; m + 2 <= rows.end; m += 2) tile_kernel<Q5, 2, T>(xq, m, K, w, s, out, n0, stream && m == rows.begin, ahead);
+  for (; m < rows.end; ++m) tile_kernel<Q5, 1, T>(xq, m, K, w, s, out, n0, stream && m == rows.begin, ahead);
 }
 
 template <bool Q5>
-inline void tiles_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
+inline void tiles_kernel(const QuantizedX& xq, Rows rows, int64_t K, const uint8_t* w, const c10::Half* s,
                          const Output& out, int64_t t0, int64_t t1, StreamAhead* ahead = nullptr) {
   const int64_t G = K / kGroup;
   const int64_t tile_bytes = kTileRows * K * (Q5 ? 5 : 8) / 8;
   int64_t t = t0;
   for (; t + 2 <= t1; t += 2)
-    rows_kernel<Q5, 2>(xq, M, K, w + (t - t0) * tile_bytes, s + t * G * kTileRows, out, t * kTileRows, ahead);
+    rows_kernel<Q5, 2>(xq, rows, K, w + (t - t0) * tile_bytes, s + t * G * kTileRows, out, t * kTileRows, ahead);
   for (; t < t1; ++t)
-    rows_kernel<Q5, 1>(xq, M, K, w + (t - t0) * tile_bytes, s + t * G * kTileRows, out, t * kTileRows, ahead);
+    rows_kernel<Q5, 1>(xq, rows, K, w + (t - t0) * tile_bytes, s + t * G * kTileRows, out, t * kTileRows, ahead);
 }
 
 // One task: tiles [t0, t1), whose weights start at w.
-inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
+inline void task_kernel(const QuantizedX& xq, Rows rows, int64_t K, const uint8_t* w, const c10::Half* s,
                         const Output& out, int64_t t0, int64_t t1) {
-  tiles_kernel<false>(xq, M, K, w, s, out, t0, t1);
+  tiles_kernel<false>(xq, rows, K, w, s, out, t0, t1);
 }
 
 // The same from 5-bit tiles: up to 8 rows of x widened in registers as they stream (each row block widens them
 // again); for more, widened into `scratch` once.
-inline void task_kernel_q5(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
+inline void task_kernel_q5(const QuantizedX& xq, Rows rows, int64_t K, const uint8_t* w, const c10::Half* s,
                            const Output& out, int64_t t0, int64_t t1, uint8_t* scratch) {
-  if (M <= 8) {
-    tiles_kernel<true>(xq, M, K, w, s, out, t0, t1);
+  if (rows.count() <= 8) {
+    tiles_kernel<true>(xq, rows, K, w, s, out, t0, t1);
     return;
   }
   // The next tiles' stream asked for while these are multiplied: gate_up 1.11x at 9 rows, 1.07x at 16, 1.02x at 32
   // to 64; 0.98x at 256, where a prefill chunk's arithmetic hides the widening's reads anyway (Zen 5).
   const auto kernel = [&](const uint8_t* wt, int64_t t, int64_t te, const uint8_t* next, int64_t bytes) {
-    if (M > kStreamAheadRows) return tiles_kernel<false>(xq, M, K, wt, s, out, t, te);
-    const int64_t steps = (M + 3) / 4 * ((te - t + 1) / 2) * (K / kGroup);  // tile_kernel calls x groups
+    if (rows.count() > kStreamAheadRows) return tiles_kernel<false>(xq, rows, K, wt, s, out, t, te);
+    const int64_t steps = (rows.count() + 3) / 4 * ((te - t + 1) / 2) * (K / kGroup);  // tile_kernel calls x groups
     StreamAhead ahead(next, bytes, steps);
-    tiles_kernel<false>(xq, M, K, wt, s, out, t, te, &ahead);
+    tiles_kernel<false>(xq, rows, K, wt, s, out, t, te, &ahead);
   };
   widened_q5(w, K, t0, t1, scratch, kernel, widen_q5_tile);
 }
@@ -555,43 +561,43 @@ inline void u5_row_kernel(const QuantizedX& xq, int64_t m, int64_t K, const uint
 }
 
 template <Layout L>
-inline void tiles_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
+inline void tiles_kernel(const QuantizedX& xq, Rows rows, int64_t K, const uint8_t* w, const c10::Half* s,
                          const Output& out, int64_t t0, int64_t t1) {
   const int64_t G = K / kGroup;
   const int64_t tile_bytes = kTileRows * K * (L == Layout::kQ5 ? 5 : 8) / 8;
   int64_t t = t0;
   if constexpr (L == Layout::kU5Bytes) {
     for (; t + 2 <= t1; t += 2)
-      for (int64_t m = 0; m < M; ++m)
+      for (int64_t m = rows.begin; m < rows.end; ++m)
         u5_row_kernel<2>(xq, m, K, w + (t - t0) * tile_bytes, s + t * G * kTileRows, out, t * kTileRows);
   }
   for (; t < t1; ++t) {
     const uint8_t* wt = w + (t - t0) * tile_bytes;
     const c10::Half* st = s + t * G * kTileRows;
-    int64_t m = 0;
-    for (; m + 2 <= M; m += 2) tile_kernel<L, 2>(xq, m, K, wt, st, out, t * kTileRows);
-    for (; m < M; ++m) tile_kernel<L, 1>(xq, m, K, wt, st, out, t * kTileRows);
+    int64_t m = rows.begin;
+    for (; m + 2 <= rows.end; m += 2) tile_kernel<L, 2>(xq, m, K, wt, st, out, t * kTileRows);
+    for (; m < rows.end; ++m) tile_kernel<L, 1>(xq, m, K, wt, st, out, t * kTileRows);
   }
 }
 
-inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
+inline void task_kernel(const QuantizedX& xq, Rows rows, int64_t K, const uint8_t* w, const c10::Half* s,
                         const Output& out, int64_t t0, int64_t t1) {
-  tiles_kernel<Layout::kInt8>(xq, M, K, w, s, out, t0, t1);
+  tiles_kernel<Layout::kInt8>(xq, rows, K, w, s, out, t0, t1);
 }
 
 // 5-bit tiles: for one or two rows of x widened in registers as they stream (each pair of rows widens them again);
 // for more, each tile once into `scratch` as u5 bytes (the VNNI kernel's u = q + 128 would need the sign trick
 // again), which every row then reads.
-inline void task_kernel_q5(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
+inline void task_kernel_q5(const QuantizedX& xq, Rows rows, int64_t K, const uint8_t* w, const c10::Half* s,
                            const Output& out, int64_t t0, int64_t t1, uint8_t* scratch) {
-  if (M <= 2) {
-    tiles_kernel<Layout::kQ5>(xq, M, K, w, s, out, t0, t1);
+  if (rows.count() <= 2) {
+    tiles_kernel<Layout::kQ5>(xq, rows, K, w, s, out, t0, t1);
     return;
   }
   widened_q5(
       w, K, t0, t1, scratch,
       [&](const uint8_t* wt, int64_t t, int64_t te, const uint8_t*, int64_t) {
-        tiles_kernel<Layout::kU5Bytes>(xq, M, K, wt, s, out, t, te);
+        tiles_kernel<Layout::kU5Bytes>(xq, rows, K, wt, s, out, t, te);
       },
       [](const uint8_t* src, int64_t K, uint8_t* dst) {
         for (int64_t c = 0; c < K / 4; c += 2) {
@@ -607,13 +613,13 @@ inline void task_kernel_q5(const QuantizedX& xq, int64_t M, int64_t K, const uin
 #else
 constexpr const char* kIsa = "portable";
 
-inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
+inline void task_kernel(const QuantizedX& xq, Rows rows, int64_t K, const uint8_t* w, const c10::Half* s,
                         const Output& out, int64_t t0, int64_t t1) {
   const int64_t G = K / kGroup;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* wt = w + (t - t0) * kTileRows * K;
     const c10::Half* st = s + t * G * kTileRows;
-    for (int64_t m = 0; m < M; ++m) {
+    for (int64_t m = rows.begin; m < rows.end; ++m) {
       const int8_t* xm = xq.q.data() + m * K;
       float acc[kTileRows] = {};
       for (int64_t g = 0; g < G; ++g) {
@@ -632,11 +638,11 @@ inline void task_kernel(const QuantizedX& xq, int64_t M, int64_t K, const uint8_
   }
 }
 
-inline void task_kernel_q5(const QuantizedX& xq, int64_t M, int64_t K, const uint8_t* w, const c10::Half* s,
+inline void task_kernel_q5(const QuantizedX& xq, Rows rows, int64_t K, const uint8_t* w, const c10::Half* s,
                            const Output& out, int64_t t0, int64_t t1, uint8_t* scratch) {
   widened_q5(
       w, K, t0, t1, scratch,
-      [&](const uint8_t* wt, int64_t t, int64_t te, const uint8_t*, int64_t) { task_kernel(xq, M, K, wt, s, out, t, te); },
+      [&](const uint8_t* wt, int64_t t, int64_t te, const uint8_t*, int64_t) { task_kernel(xq, rows, K, wt, s, out, t, te); },
       widen_q5_tile);
 }
 #endif
@@ -700,20 +706,23 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
                    silu_and_mul};
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const c10::Half* sp = scales.data_ptr<c10::Half>();
-  const int64_t tiles = N / kTileRows;
-  const int64_t tasks = (tiles + kTilesPerTask - 1) / kTilesPerTask;
-  TaskClaims claim(tasks, at::get_num_threads());
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
+  const int64_t tiles = N / kTileRows, threads = at::get_num_threads();
+  const Int8Tasks plan = int8_tasks(M, tiles, threads);
+  TaskClaims claim(plan.count(), threads);
+  at::parallel_for(0, std::min(threads, plan.count()), 1, [&](int64_t, int64_t) {
     std::vector<uint8_t> scratch(bits == 5 ? kWidenTiles * kTileRows * K : 0);
     for (;;) {
       const auto [begin, end] = claim.next();
       if (begin == end) break;
+      // A run's row blocks are consecutive tasks, so a thread's next task often reads the weights it just read.
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t t0 = task * kTilesPerTask, t1 = std::min(tiles, t0 + kTilesPerTask);
+        const int64_t run = task / plan.row_blocks, block = task % plan.row_blocks;
+        const int64_t t0 = run * plan.tiles_per_task, t1 = std::min(tiles, t0 + plan.tiles_per_task);
+        const Rows rows{block * plan.rows_per_block, std::min(M, (block + 1) * plan.rows_per_block)};
         if (bits == 8)
-          task_kernel(xq, M, K, wp + t0 * tile_bytes, sp, out, t0, t1);
+          task_kernel(xq, rows, K, wp + t0 * tile_bytes, sp, out, t0, t1);
         else
-          task_kernel_q5(xq, M, K, wp + t0 * tile_bytes, sp, out, t0, t1, scratch.data());
+          task_kernel_q5(xq, rows, K, wp + t0 * tile_bytes, sp, out, t0, t1, scratch.data());
       }
     }
   });

@@ -1,0 +1,48 @@
+// How an int8_linear call is cut into parallel tasks: runs of consecutive weight tiles, and, where those are too
+// few for the threads, blocks of rows of x as well.
+//
+// Tiles alone cap the threads a layer can use at its tile runs: a 896-wide output (the 0.5B model's down and o
+// projections) is 56 tiles, 14 runs of 4, so on a 32- or 64-core server at most 14 cores worked on those layers
+// (a third of a layer's multiply-adds) while the rest waited. Shorter runs come first, as they cost nothing but
+// claims; then rows, whose blocks each read (and, in 5 bits, widen) the run's weights again.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+namespace qb {
+
+struct Int8Tasks {
+  int64_t tiles_per_task;  // consecutive 16-row tiles of W a task owns
+  int64_t tile_runs;       // ceil(tiles / tiles_per_task)
+  int64_t rows_per_block;  // rows of x a task owns: all of them, or a multiple of 4 (the row kernels' block)
+  int64_t row_blocks;      // ceil(M / rows_per_block)
+
+  int64_t count() const { return tile_runs * row_blocks; }
+};
+
+constexpr int64_t kTilesPerTask = 4;  // the longest run; at one to eight rows a run streams its weights in order
+// Tasks wanted per thread: the claims hand out shrinking runs of tasks, and balance only with several to hand out.
+constexpr int64_t kTasksPerThread = 4;
+// Rows of a block, at the least: fewer would read the weights once for too little arithmetic.
+constexpr int64_t kMinBlockRows = 16;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The tasks of an M-row call on `tiles` tiles with `threads` threads. Decode steps (at most 8 rows) may go down to
+// one tile a task; more rows keep two, the least the AVX-512 kernel's widest tile block takes.
+inline Int8Tasks int8_tasks(int64_t M, int64_t tiles, int64_t threads) {
+  const int64_t wanted = kTasksPerThread * std::max<int64_t>(1, threads);
+  const int64_t fewest_tiles = M <= 8 ? 1 : 2;
+  int64_t per = kTilesPerTask;
+  while (per > fewest_tiles && ceil_div(tiles, per) < wanted) per /= 2;
+  const int64_t runs = ceil_div(tiles, per);
+  int64_t rows = std::max<int64_t>(M, 1);
+  if (runs < wanted && M >= 2 * kMinBlockRows) {
+    const int64_t blocks = std::min(ceil_div(wanted, runs), M / kMinBlockRows);
+    rows = ceil_div(ceil_div(M, blocks), 4) * 4;
+  }
+  return {per, runs, rows, ceil_div(std::max<int64_t>(M, 1), rows)};
+}
+
+}  // namespace qb
