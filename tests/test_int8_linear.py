@@ -304,15 +304,17 @@ def test_a_many_core_machine_gets_work_for_every_thread_on_narrow_layers():
     # The default model's down and o projections have 896 outputs: 56 tiles. Cut by tiles alone (14 runs of 4)
     # they kept at most 14 of a 64-core machine's threads busy; rows and shorter runs give every thread tasks.
     ops = kernels()
-    for m, threads_ in [(2048, 64), (512, 32), (64, 64)]:
-        tiles_per_task, runs, rows_per_block, blocks = ops.int8_linear_tasks(m, 896, threads_)
+    for m, k, threads_ in [(2048, 4864, 64), (512, 896, 32), (64, 4864, 64)]:
+        tiles_per_task, runs, rows_per_block, blocks = ops.int8_linear_tasks(m, 896, k, threads_)
         assert runs * blocks >= threads_
         assert runs * tiles_per_task >= 56 and blocks * rows_per_block >= m and rows_per_block % 4 == 0
         assert tiles_per_task >= 2 and rows_per_block >= 16  # the AVX-512 kernel's widest tile block; enough rows
-    assert ops.int8_linear_tasks(1, 896, 64) == (1, 56, 1, 1)  # a decode step: one tile a task, every tile a task
+    assert ops.int8_linear_tasks(1, 896, 4864, 64) == (1, 56, 1, 1)  # a decode step's down: every tile a task
     # Where tiles alone give each thread several tasks, nothing changes: 2 threads run as they always did.
-    assert ops.int8_linear_tasks(2048, 896, 2) == (4, 14, 2048, 1)
-    assert ops.int8_linear_tasks(2048, 9728, 64) == (2, 304, 2048, 1)
+    assert ops.int8_linear_tasks(2048, 896, 4864, 2) == (4, 14, 2048, 1)
+    assert ops.int8_linear_tasks(2048, 9728, 896, 64) == (2, 304, 2048, 1)
+    # A call too small to be worth waking threads for stays one task.
+    assert ops.int8_linear_tasks(1, 64, 896, 64) == (4, 1, 1, 1)
 
 
 @pytest.mark.parametrize("target", ["native", "avx2", "portable"])
@@ -322,7 +324,7 @@ def test_every_thread_count_gives_the_same_result_bit_for_bit(threads, target, b
     # Each output is one task's sum in one order however the call is cut, so thread counts that cut it into row
     # blocks and short tile runs (16 threads) or not at all (1) agree exactly, and with the quantized product.
     torch.manual_seed(bits * 1000 + m)
-    n, k = 96, 128
+    n, k = 96, 2048  # at 16 threads: 2-tile runs at 1 row, 1-tile runs at 6, row blocks at 40 and 150
     values, scales = q5_0_blocks(n, k)
     layout = pack_q5 if bits == 5 else pack
     order = interleave_gate_up(n) if silu_and_mul else torch.arange(n)

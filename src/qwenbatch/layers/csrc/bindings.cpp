@@ -1,6 +1,5 @@
 // The CPU kernels module: int8_linear.cpp, dequantize.cpp, quantize.cpp, cpu_ops.cpp, decode_attention.cpp,
 // prefill_attention.cpp, decode_layer.cpp and host_allocator.cpp, built together by layers/cpu_kernels.py.
-#include "int8_layout.h"
 #include "int8_tasks.h"
 #include "ops.h"
 
@@ -20,13 +19,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the instruction set int8_linear was built for");
   m.def(
       "int8_linear_tasks",
-      [](int64_t m, int64_t n, int64_t threads) {
-        const qb::Int8Tasks plan = qb::int8_tasks(m, n / qb::kTileRows, threads);
+      [](int64_t m, int64_t n, int64_t k, int64_t threads) {
+        const qb::Int8Tasks plan = qb::int8_tasks(m, k, n / qb::kTileRows, threads);
         return std::make_tuple(plan.tiles_per_task, plan.tile_runs, plan.rows_per_block, plan.row_blocks);
       },
-      "how int8_linear cuts an [m rows] x [n outputs] call into tasks for `threads` threads: (tiles_per_task, "
-      "tile_runs, rows_per_block, row_blocks)",
-      py::arg("m"), py::arg("n"), py::arg("threads"));
+      "how int8_linear cuts an [m, k] x [k, n] call into tasks for `threads` threads: (tiles_per_task, tile_runs, "
+      "rows_per_block, row_blocks)",
+      py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads"));
   m.def("rms_norm", &rms_norm, "RMSNorm in float32, scaled in the input dtype");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(x[..., :n]) * x[..., n:]");
   m.def("rotary", &rotary, "neox-layout RoPE of [T, heads, head_dim] rows into a new tensor");

@@ -28,7 +28,21 @@ constexpr int64_t kLanes = 8, kPositions = 8;
 // a layer one block ahead, ~290 two ahead, 350-410 three or five ahead (benchmarks/decode_attention_micro.py, Zen 5).
 constexpr int64_t kBlocksAhead = 2;
 
+// Where the (sequence, KV head) pairs are fewer than the threads, each sequence's context is cut into this many
+// runs of blocks at most, each run a task, and the runs' partial softmax sums merged (FlashDecoding's split-K):
+// one long sequence of the 0.5B model (2 KV heads) would otherwise run on 2 threads however many the machine has.
+// A run covers this many positions at the least, so that its partial result is worth its merge.
+constexpr int64_t kMinSplitPositions = 256;
+
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// How many runs each sequence's context is cut into: 1 wherever the pairs alone give every thread a task, else
+// about two tasks a thread, as far as the longest context has runs of kMinSplitPositions.
+inline int64_t context_splits(int64_t pairs, int64_t threads, int64_t longest) {
+  if (pairs >= threads) return 1;
+  return std::max<int64_t>(1, std::min(ceil_div(2 * threads, pairs), longest / kMinSplitPositions));
+}
 
 // One call's tensors, as the entry point checked them. The cache is [2, blocks, block_size, kv_heads, head_dim].
 template <typename T>
@@ -86,13 +100,14 @@ inline void online_softmax_step(float* scores, int64_t stride, int64_t n, float*
   }
 }
 
-// One (sequence, KV head) a task: its `group` query heads against the sequence's context, a cache block at a time.
+// One (sequence, KV head, run of the context's blocks) a task: its `group` query heads against the run, a cache
+// block at a time.
 // Each K and V byte is read once, from its block in place: the block's rows of this head are converted to float32
 // into buffers that stay in L1, then used while there. scores[p][g] += K[p][i] * Q[g][i] runs kPositions positions
 // side by side, and out[g][i] += P[p][g] * V[p][i] keeps a kLanes x kDims block of the output in registers across
 // the block.
 template <typename T>
-void decode_attention_f32(const Problem<T>& pr) {
+void decode_attention_f32(const Problem<T>& pr, int64_t splits) {
   constexpr int64_t kDims = 16;
   const T *q = pr.q, *k_cache = pr.k_cache, *v_cache = pr.v_cache;
   const int64_t heads = pr.heads, kv_heads = pr.kv_heads, head_dim = pr.head_dim, block_size = pr.block_size;
@@ -101,13 +116,17 @@ void decode_attention_f32(const Problem<T>& pr) {
   const int64_t lanes = round_up(group, kLanes);  // padded query heads
   const int64_t padded_block = round_up(block_size, kPositions);
   const int64_t token_stride = pr.token_stride();
-  at::parallel_for(0, pr.num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // With splits, each run's output (not yet divided by its sum), maximum and sum: [seq][kv head][run][group ...].
+  std::vector<float> run_acc(splits > 1 ? pr.num_seqs * heads * splits * head_dim : 0),
+      run_mx(splits > 1 ? pr.num_seqs * heads * splits : 0), run_sum(run_mx.size());
+  at::parallel_for(0, pr.num_seqs * kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
     // kf's rows past a block's end keep whatever they held: their scores are taken but never used.
     std::vector<float> qt(head_dim * lanes), kf(padded_block * head_dim, 0.f), vf(block_size * head_dim),
         scores(padded_block * lanes), acc(lanes * head_dim), mx(lanes), sum(lanes);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / kv_heads, h = task % kv_heads;
-      const int64_t len = pr.lens[s];
+      const int64_t s = task / (kv_heads * splits), h = task / splits % kv_heads, run = task % splits;
+      const int64_t len = pr.lens[s], blocks = ceil_div(len, block_size), per_run = ceil_div(blocks, splits);
+      const int64_t b_begin = std::min(blocks, run * per_run), b_end = std::min(blocks, b_begin + per_run);
       std::fill(qt.begin(), qt.end(), 0.f);  // [lane chunk][dim][lane]
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < head_dim; ++i)
@@ -116,10 +135,10 @@ void decode_attention_f32(const Problem<T>& pr) {
       std::fill(acc.begin(), acc.end(), 0.f);  // [lane][dim], not yet divided by the sums
       std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
       std::fill(sum.begin(), sum.end(), 0.f);
-      for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block_size) {
-        const int64_t n = std::min(block_size, len - p0);
-        for (int64_t ahead = b == 0 ? 1 : kBlocksAhead; ahead <= kBlocksAhead; ++ahead)
-          if (p0 + ahead * block_size < len) pr.prefetch_block(s, b + ahead, h);
+      for (int64_t b = b_begin; b < b_end; ++b) {
+        const int64_t p0 = b * block_size, n = std::min(block_size, len - p0);
+        for (int64_t ahead = b == b_begin ? 1 : kBlocksAhead; ahead <= kBlocksAhead; ++ahead)
+          if (b + ahead < b_end) pr.prefetch_block(s, b + ahead, h);
         const int64_t base = pr.head_offset(s, b, h);
         for (int64_t p = 0; p < n; ++p) {
           const T* kp = k_cache + base + p * token_stride;
@@ -170,10 +189,38 @@ void decode_attention_f32(const Problem<T>& pr) {
         }
       }
       for (int64_t g = 0; g < group; ++g) {
+        const int64_t head = s * heads + h * group + g;
+        if (splits > 1) {
+          std::memcpy(run_acc.data() + (head * splits + run) * head_dim, acc.data() + g * head_dim,
+                      head_dim * sizeof(float));
+          run_mx[head * splits + run] = mx[g];
+          run_sum[head * splits + run] = sum[g];
+          continue;
+        }
         const float inv = 1.f / sum[g];
-        for (int64_t i = 0; i < head_dim; ++i)
-          pr.out[(s * heads + h * group + g) * head_dim + i] = from_f32<T>(acc[g * head_dim + i] * inv);
+        for (int64_t i = 0; i < head_dim; ++i) pr.out[head * head_dim + i] = from_f32<T>(acc[g * head_dim + i] * inv);
       }
+    }
+  });
+  if (splits == 1) return;
+  // Each query head's runs merged: sums and outputs rescaled to the largest of the runs' maxima (a run past the
+  // context's end holds none: its maximum is -inf, its weight 0; the first run always holds a position).
+  at::parallel_for(0, pr.num_seqs * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(head_dim);
+    for (int64_t head = begin; head < end; ++head) {
+      const float* mx = run_mx.data() + head * splits;
+      const float top = *std::max_element(mx, mx + splits);
+      float total = 0.f;
+      std::fill(merged.begin(), merged.end(), 0.f);
+      for (int64_t run = 0; run < splits; ++run) {
+        if (mx[run] == -std::numeric_limits<float>::infinity()) continue;
+        const float weight = vec_exp(mx[run] - top);
+        total += weight * run_sum[head * splits + run];
+        const float* a = run_acc.data() + (head * splits + run) * head_dim;
+#pragma omp simd
+        for (int64_t i = 0; i < head_dim; ++i) merged[i] += weight * a[i];
+      }
+      for (int64_t i = 0; i < head_dim; ++i) pr.out[head * head_dim + i] = from_f32<T>(merged[i] / total);
     }
   });
 }
@@ -197,11 +244,15 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const torch::Tensor qc = q.contiguous(), tables = block_tables.contiguous(), lc = lens.contiguous();
   torch::Tensor out = torch::empty_like(qc);
   const int64_t half = kv_cache.numel() / 2;
+  const int32_t* lp = lc.data_ptr<int32_t>();
+  const int64_t longest = D > 0 ? *std::max_element(lp, lp + D) : 0;
+  const int64_t splits = context_splits(D * kv_heads, at::get_num_threads(), longest);
   QB_DISPATCH(q.scalar_type(), "paged_decode_attention",
               decode_attention_f32(Problem<scalar_t>{qc.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(),
                                                      kv_cache.data_ptr<scalar_t>() + half, tables.data_ptr<int32_t>(),
                                                      lc.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), D, heads,
                                                      kv_heads, head_dim, block_size, tables.size(1),
-                                                     static_cast<float>(scale)}));
+                                                     static_cast<float>(scale)},
+                                   splits));
   return out;
 }

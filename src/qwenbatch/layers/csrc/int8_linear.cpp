@@ -707,7 +707,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const c10::Half* sp = scales.data_ptr<c10::Half>();
   const int64_t tiles = N / kTileRows, threads = at::get_num_threads();
-  const Int8Tasks plan = int8_tasks(M, tiles, threads);
+  const Int8Tasks plan = int8_tasks(M, K, tiles, threads);
   TaskClaims claim(plan.count(), threads);
   at::parallel_for(0, std::min(threads, plan.count()), 1, [&](int64_t, int64_t) {
     std::vector<uint8_t> scratch(bits == 5 ? kWidenTiles * kTileRows * K : 0);

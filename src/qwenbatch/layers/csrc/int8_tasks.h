@@ -7,6 +7,8 @@
 // claims; then rows, whose blocks each read (and, in 5 bits, widen) the run's weights again.
 #pragma once
 
+#include "int8_layout.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -26,23 +28,29 @@ constexpr int64_t kTilesPerTask = 4;  // the longest run; at one to eight rows a
 constexpr int64_t kTasksPerThread = 4;
 // Rows of a block, at the least: fewer would read the weights once for too little arithmetic.
 constexpr int64_t kMinBlockRows = 16;
+// Multiply-adds of a task, at the least, for a cut to be worth a thread's wake-up (a few microseconds): a 64-wide
+// layer's one-row call (2 us) took 2.2x as long cut in four (benchmarks/split_work_ab.py, Zen 5).
+constexpr int64_t kMinTaskMacs = int64_t{1} << 16;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The tasks of an M-row call on `tiles` tiles with `threads` threads. Decode steps (at most 8 rows) may go down to
-// one tile a task; more rows keep two, the least the AVX-512 kernel's widest tile block takes.
-inline Int8Tasks int8_tasks(int64_t M, int64_t tiles, int64_t threads) {
+// The tasks of an M-row call with K inputs on `tiles` tiles with `threads` threads. Decode steps (at most 8 rows)
+// may go down to one tile a task; more rows keep two, the least the AVX-512 kernel's widest tile block takes.
+inline Int8Tasks int8_tasks(int64_t M, int64_t K, int64_t tiles, int64_t threads) {
   const int64_t wanted = kTasksPerThread * std::max<int64_t>(1, threads);
+  const int64_t all_rows = std::max<int64_t>(M, 1), tile_macs = kTileRows * K;
   const int64_t fewest_tiles = M <= 8 ? 1 : 2;
   int64_t per = kTilesPerTask;
-  while (per > fewest_tiles && ceil_div(tiles, per) < wanted) per /= 2;
+  while (per > fewest_tiles && ceil_div(tiles, per) < wanted && per / 2 * tile_macs * all_rows >= kMinTaskMacs)
+    per /= 2;
   const int64_t runs = ceil_div(tiles, per);
-  int64_t rows = std::max<int64_t>(M, 1);
+  int64_t rows = all_rows;
   if (runs < wanted && M >= 2 * kMinBlockRows) {
-    const int64_t blocks = std::min(ceil_div(wanted, runs), M / kMinBlockRows);
+    const int64_t least_rows = std::max(kMinBlockRows, ceil_div(kMinTaskMacs, per * tile_macs));
+    const int64_t blocks = std::max<int64_t>(1, std::min(ceil_div(wanted, runs), M / least_rows));
     rows = ceil_div(ceil_div(M, blocks), 4) * 4;
   }
-  return {per, runs, rows, ceil_div(std::max<int64_t>(M, 1), rows)};
+  return {per, runs, rows, ceil_div(all_rows, rows)};
 }
 
 }  // namespace qb
