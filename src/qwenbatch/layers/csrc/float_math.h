@@ -15,8 +15,10 @@ namespace qb {
 // exp(x) in plain arithmetic the compiler vectorizes (std::exp stays a scalar call, ~10 ns an element):
 // 2^(x log2 e) split into 2^n (built in the exponent bits) and 2^f, f in [-0.5, 0.5], by a degree-6
 // polynomial; relative error below 3e-7. Inputs are clamped to [-87, 88], where 2^n stays a normal float.
+// Forced inline, as silu_times below: out of line, a loop calling them is left scalar (GCC took both out of
+// int8_linear.cpp's SiLU stores when an unrelated template was added, and the fused gate_up ran 0.56x).
 #pragma omp declare simd
-inline float vec_exp(float x) {
+__attribute__((always_inline)) inline float vec_exp(float x) {
   x = std::min(std::max(x, -87.f), 88.f);
   const float t = x * 1.44269504088896341f;
   const float n = std::nearbyint(t);
@@ -64,7 +66,7 @@ inline c10::BFloat16 from_f32(float f) {
 // SiLU(gate) * up in T as F.silu(gate) * up computes it: the SiLU rounded to T before the product. gate and up
 // are T values, widened.
 template <typename T>
-inline T silu_times(float gate, float up) {
+__attribute__((always_inline)) inline T silu_times(float gate, float up) {
   const float silu = to_f32(from_f32<T>(gate / (1.f + vec_exp(-gate))));
   return from_f32<T>(silu * up);
 }

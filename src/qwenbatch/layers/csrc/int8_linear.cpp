@@ -294,8 +294,9 @@ QB_ALWAYS_INLINE void prefetch_tile_ahead(const uint8_t* w, int64_t tile_bytes, 
   prefetch_ahead(w + t * tile_bytes + past_end + offset, bytes);
 }
 
-// MB rows of x against T tiles (16 * T weight rows, the first at column n0), all groups, into out.
-template <bool Q5, int MB, int T>
+// MB rows of x against T tiles (16 * T weight rows, the first at column n0), all groups, into out. Streaming:
+// whether the call may prefetch (decode steps' few rows); without, the code to do it is left out.
+template <bool Q5, int MB, int T, bool Streaming = true>
 inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8_t* w, const c10::Half* s,
                         const Output& out, int64_t n0, bool prefetch, StreamAhead* ahead) {
   const int64_t G = K / kGroup;
@@ -309,13 +310,13 @@ inline void tile_kernel(const QuantizedX& xq, int64_t m0, int64_t K, const uint8
   for (int64_t g = 0; g < G; ++g) {
     // Only the 5-bit layers' streams go on into the next call's tiles: their short tiles lost most by starting
     // cold (one-row gate_up 1.07x, four rows 1.32x, Zen 5). The 8-bit down's 76 KB tiles read 0.87x that way.
-    for (int t = 0; t < T && prefetch; ++t) {
+    for (int t = 0; t < T && Streaming && prefetch; ++t) {
       if constexpr (Q5)
         prefetch_tile_ahead<T>(w, tile_bytes, t, g * kGroupBytes, kGroupBytes);
       else
         prefetch_ahead(w + t * tile_bytes + g * kGroupBytes, kGroupBytes);
     }
-    if (ahead) ahead->step();
+    if (Streaming && ahead) ahead->step();
     __m512i dot[MB][T][C];
     for (int m = 0; m < MB; ++m)
       for (int t = 0; t < T; ++t)
@@ -357,6 +358,10 @@ inline void rows_kernel(const QuantizedX& xq, Rows rows, int64_t K, const uint8_
   // With few rows the tile streams from memory once, and the first row block prefetches it; with many the
   // kernel is bound by its arithmetic, and prefetching cost prefill ~5%.
   const bool stream = rows.count() <= kStreamRows;
+  if constexpr (!Q5) {  // many rows (5-bit ones are widened first): bound by the arithmetic, nothing to prefetch
+    if (!stream && !ahead)
+      for (; m + 4 <= rows.end; m += 4) tile_kernel<false, 4, T, false>(xq, m, K, w, s, out, n0, false, nullptr);
+  }
   for (; m + 4 <= rows.end; m += 4) tile_kernel<Q5, 4, T>(xq, m, K, w, s, out, n0, stream && m == rows.begin, ahead);
   for (; m + 2 <= rows.end; m += 2) tile_kernel<Q5, 2, T>(xq, m, K, w, s, out, n0, stream && m == rows.begin, ahead);
   for (; m < rows.end; ++m) tile_kernel<Q5, 1, T>(xq, m, K, w, s, out, n0, stream && m == rows.begin, ahead);
