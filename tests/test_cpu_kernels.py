@@ -232,3 +232,19 @@ def test_the_exp_loops_are_built_as_vector_code(target, source):
     code = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(obj)], capture_output=True, text=True, check=True)
     # exp rounds t = x log2(e) to an integer: vroundps on 8 lanes (AVX), vrndscaleps on 16 (AVX-512)
     assert re.search(r"\b(vroundps|vrndscaleps)\b", code.stdout), f"{source}.o ({target}) has no vector rounding"
+
+
+def test_decode_attention_of_no_rows_returns_nothing_at_any_thread_count():
+    # More threads than (sequence, KV head) pairs cut contexts into runs; with no sequence at all there is nothing
+    # to cut (the plan once divided by the pairs).
+    cache = torch.randn(2, 4, 16, 2, 64).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(16)
+    try:
+        out = kernels().paged_decode_attention(
+            torch.empty(0, 14, 64).bfloat16(), cache, torch.zeros(0, 4, dtype=torch.int32),
+            torch.zeros(0, dtype=torch.int32), 0.125,
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    assert out.shape == (0, 14, 64)

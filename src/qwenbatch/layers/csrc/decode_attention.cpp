@@ -40,7 +40,7 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // How many runs each sequence's context is cut into: 1 wherever the pairs alone give every thread a task, else
 // about two tasks a thread, as far as the longest context has runs of kMinSplitPositions.
 inline int64_t context_splits(int64_t pairs, int64_t threads, int64_t longest) {
-  if (pairs >= threads) return 1;
+  if (pairs == 0 || pairs >= threads) return 1;
   return std::max<int64_t>(1, std::min(ceil_div(2 * threads, pairs), longest / kMinSplitPositions));
 }
 
