@@ -5,7 +5,8 @@ the first alternating, best of 3 calls each; the table gives median times and th
 
 Two sets of shapes:
 - the default model's (down and o projections, 896 outputs = 14 runs of 4 tiles; decode attention of one sequence,
-  2 KV heads), which the split changes only where the threads outnumber those tasks (more than ~14 / 2 threads);
+  2 KV heads), which the plans cut further from 4 threads (under 4 tasks a thread: 14 runs < 16) and from 3
+  threads (more threads than the 2 (sequence, KV head) pairs);
 - narrow ones, cut coarser than the threads here (64 outputs = one run of 4 tiles; one KV head), which show the
   mechanism on a 2-core machine too.
 Never run by CI.

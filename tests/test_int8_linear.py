@@ -304,27 +304,33 @@ def test_a_many_core_machine_gets_work_for_every_thread_on_narrow_layers():
     # The default model's down and o projections have 896 outputs: 56 tiles. Cut by tiles alone (14 runs of 4)
     # they kept at most 14 of a 64-core machine's threads busy; rows and shorter runs give every thread tasks.
     ops = kernels()
-    for m, k, threads_ in [(2048, 4864, 64), (512, 896, 32), (64, 4864, 64)]:
+    for m, k, threads_ in [(2048, 4864, 64), (512, 896, 32), (64, 4864, 64), (81, 896, 64)]:
         tiles_per_task, runs, rows_per_block, blocks = ops.int8_linear_tasks(m, 896, k, threads_)
         assert runs * blocks >= threads_
-        assert runs * tiles_per_task >= 56 and blocks * rows_per_block >= m and rows_per_block % 4 == 0
+        assert runs * tiles_per_task >= 56 and rows_per_block % 4 == 0
+        # floor(m / rows) blocks, the last taking the remainder: none shorter than a block, none dropped
+        assert blocks * rows_per_block <= m < (blocks + 1) * rows_per_block
         assert tiles_per_task >= 2 and rows_per_block >= 16  # the AVX-512 kernel's widest tile block; enough rows
     assert ops.int8_linear_tasks(1, 896, 4864, 64) == (1, 56, 1, 1)  # a decode step's down: every tile a task
     # Where tiles alone give each thread several tasks, nothing changes: 2 threads run as they always did.
     assert ops.int8_linear_tasks(2048, 896, 4864, 2) == (4, 14, 2048, 1)
     assert ops.int8_linear_tasks(2048, 9728, 896, 64) == (2, 304, 2048, 1)
-    # A call too small to be worth waking threads for stays one task.
+    # A call too small to be worth waking threads for stays one task; so does one thread's, and an empty layer's.
     assert ops.int8_linear_tasks(1, 64, 896, 64) == (4, 1, 1, 1)
+    assert ops.int8_linear_tasks(2048, 64, 896, 1) == (4, 1, 2048, 1)
+    assert ops.int8_linear_tasks(64, 0, 896, 8)[3] == 1 and ops.int8_linear_tasks(64, 64, 0, 8)[3] == 1
 
 
 @pytest.mark.parametrize("target", ["native", "avx2", "portable"])
 @pytest.mark.parametrize(("bits", "silu_and_mul"), [(8, False), (5, False), (5, True), (8, True)])
-@pytest.mark.parametrize("m", [1, 6, 40, 150])
+@pytest.mark.parametrize("m", [1, 6, 40, 81, 150])
 def test_every_thread_count_gives_the_same_result_bit_for_bit(threads, target, bits, silu_and_mul, m):
     # Each output is one task's sum in one order however the call is cut, so thread counts that cut it into row
     # blocks and short tile runs (16 threads) or not at all (1) agree exactly, and with the quantized product.
     torch.manual_seed(bits * 1000 + m)
-    n, k = 96, 2048  # at 16 threads: 2-tile runs at 1 row, 1-tile runs at 6, row blocks at 40 and 150
+    n, k = 256, 2048  # 16 tiles: 1 thread, runs of 4 and all rows; 16 threads, shorter runs, and row blocks from 40
+    plans = {count: kernels().int8_linear_tasks(m, n, k, count) for count in (1, 3, 16)}
+    assert plans[1] == (4, 4, m, 1) and plans[16] != plans[1]
     values, scales = q5_0_blocks(n, k)
     layout = pack_q5 if bits == 5 else pack
     order = interleave_gate_up(n) if silu_and_mul else torch.arange(n)

@@ -31,7 +31,8 @@ constexpr int64_t kBlocksAhead = 2;
 // Where the (sequence, KV head) pairs are fewer than the threads, each sequence's context is cut into this many
 // runs of blocks at most, each run a task, and the runs' partial softmax sums merged (FlashDecoding's split-K):
 // one long sequence of the 0.5B model (2 KV heads) would otherwise run on 2 threads however many the machine has.
-// A run covers this many positions at the least, so that its partial result is worth its merge.
+// The longest context's runs cover this many positions at the least, so that a partial result is worth its merge
+// (shorter contexts in the same call get shorter runs, or empty ones).
 constexpr int64_t kMinSplitPositions = 256;
 
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }

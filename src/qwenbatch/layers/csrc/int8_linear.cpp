@@ -245,7 +245,9 @@ struct StreamAhead {
 // Runs `kernel(weights, t, te, next, bytes)` on 5-bit tiles [t0, t1) from w, each widened by `widen(src, K, dst)`
 // into `scratch` (kWidenTiles * 16 * K bytes) kWidenTiles at a time: once per call, then read by every row of x.
 // [next, next + bytes) is the 5-bit stream widened after these: this task's next tiles, or the next task's first
-// (a thread claims consecutive tasks), which the kernel may prefetch.
+// (a thread claims consecutive tasks), which the kernel may prefetch. Where rows are cut into blocks (more threads
+// than tile runs: many-core machines), the next task is the same tiles' next block, and the stream asked for is the
+// next run's, likely another thread's: wasted reads into L2, not wrong ones (unmeasured; no such machine here).
 template <typename Kernel, typename Widen>
 inline void widened_q5(const uint8_t* w, int64_t K, int64_t t0, int64_t t1, uint8_t* scratch, Kernel kernel,
                        Widen widen) {
@@ -723,7 +725,8 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
       for (int64_t task = begin; task < end; ++task) {
         const int64_t run = task / plan.row_blocks, block = task % plan.row_blocks;
         const int64_t t0 = run * plan.tiles_per_task, t1 = std::min(tiles, t0 + plan.tiles_per_task);
-        const Rows rows{block * plan.rows_per_block, std::min(M, (block + 1) * plan.rows_per_block)};
+        const auto [first, end] = plan.rows_of(block, M);
+        const Rows rows{first, end};
         if (bits == 8)
           task_kernel(xq, rows, K, wp + t0 * tile_bytes, sp, out, t0, t1);
         else
