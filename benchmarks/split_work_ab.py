@@ -1,5 +1,6 @@
 """The CPU kernels whose work is cut into tasks by what the threads need (int8_linear's row blocks and short tile
-runs, csrc/int8_tasks.h; decode attention's runs of a context, csrc/decode_attention.cpp), against a commit's
+runs, csrc/int8_tasks.h; decode attention's runs of a context and longest-first claims, csrc/decode_attention.cpp),
+against a commit's
 kernels, side by side in one process, at this machine's thread count. Each pair times both versions back to back,
 the first alternating, best of 3 calls each; the table gives median times and the median of the per-pair ratios.
 
@@ -38,12 +39,13 @@ def linear_case(k: int, n: int, m: int):
     return lambda ops: ops.int8_linear(x, layer.packed_weight, layer.packed_scales, None, layer.padded_out, 8)
 
 
-def attention_case(kv_heads: int, context: int):
-    """Decode attention of one sequence over `context` positions in scattered blocks, bf16."""
-    blocks = -(-context // BLOCK)
-    cache = torch.randn(2, blocks, BLOCK, kv_heads, HEAD_DIM).bfloat16()
-    tables = torch.randperm(blocks).view(1, blocks).int()
-    q, lens = torch.randn(1, HEADS, HEAD_DIM).bfloat16(), torch.tensor([context], dtype=torch.int32)
+def attention_case(kv_heads: int, contexts: list[int]):
+    """Decode attention of one row per context, over its positions in scattered blocks, bf16."""
+    per_seq = -(-max(contexts) // BLOCK)
+    cache = torch.randn(2, len(contexts) * per_seq, BLOCK, kv_heads, HEAD_DIM).bfloat16()
+    tables = torch.randperm(len(contexts) * per_seq).view(len(contexts), per_seq).int()
+    q = torch.randn(len(contexts), HEADS, HEAD_DIM).bfloat16()
+    lens = torch.tensor(contexts, dtype=torch.int32)
     return lambda ops: ops.paged_decode_attention(q, cache, tables, lens, HEAD_DIM**-0.5)
 
 
@@ -61,10 +63,12 @@ def main() -> None:
         "down 4864->896, 64 rows": linear_case(4864, 896, 64),
         "down 4864->896, 2048 rows": linear_case(4864, 896, 2048),
         "o 896->896, 2048 rows": linear_case(896, 896, 2048),
-        "attention, 2 KV heads, 4096 positions": attention_case(2, 4096),
+        "attention, 2 KV heads, 4096 positions": attention_case(2, [4096]),
+        "attention, 2 KV heads, 4000 + 3 x 100": attention_case(2, [4000, 100, 100, 100]),
+        "attention, 2 KV heads, 16 x 1000": attention_case(2, [1000] * 16),
         "narrow 896->64, 2048 rows": linear_case(896, 64, 2048),
         "narrow 896->64, 1 row": linear_case(896, 64, 1),
-        "narrow attention, 1 KV head, 4096": attention_case(1, 4096),
+        "narrow attention, 1 KV head, 4096": attention_case(1, [4096]),
     }
     print(f"kernels: base {args.base} against the working tree, {torch.get_num_threads()} threads")
     print(f"{'call':<40}{'base ms':>10}{'new ms':>10}{'base/new':>10}  (pairs)")
