@@ -21,7 +21,6 @@ from kernel_ab import sources_at
 
 from qwenbatch.layers import cpu_kernels
 from qwenbatch.layers.attention import sdpa_chunk_attention
-from qwenbatch.layers.cpu_kernels import kernels
 
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
 
@@ -44,7 +43,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--base", help="a commit whose kernel is the baseline, in SDPA's place")
     args = parser.parse_args()
-    ops = kernels()
+    ops = cpu_kernels.kernels()
     if not ops.prefill_attention_available():
         raise SystemExit("this CPU has no AVX512-BF16: the kernel is not built")
     torch.manual_seed(0)

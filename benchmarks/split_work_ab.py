@@ -1,8 +1,8 @@
 """The CPU kernels whose work is cut into tasks by what the threads need (int8_linear's row blocks and short tile
 runs, csrc/int8_tasks.h; decode attention's runs of a context and longest-first claims, csrc/decode_attention.cpp),
-against a commit's
-kernels, side by side in one process, at this machine's thread count. Each pair times both versions back to back,
-the first alternating, best of 3 calls each; the table gives median times and the median of the per-pair ratios.
+against a commit's kernels, side by side in one process, at this machine's thread count. Each pair times both
+versions back to back, the first alternating, best of 3 calls each; the table gives median times and the median of
+the per-pair ratios.
 
 Two sets of shapes:
 - the default model's (down and o projections, 896 outputs = 14 runs of 4 tiles; decode attention of one sequence,
