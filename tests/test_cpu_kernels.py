@@ -78,16 +78,22 @@ def test_paged_decode_matches_the_gathering_path(monkeypatch, target, dtype, hea
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
+# Query heads a KV head from 1 to 8 (the bf16 kernel's instances, where the CPU has AVX512-BF16) and 12 (its float32
+# kernel's); blocks of 8 positions make every 16-position step of the bf16 kernel a partial one.
 @pytest.mark.parametrize("target", ["native", "avx2"])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (16, 2, 128)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block"),
+    [(14, 2, 64, 16), (16, 2, 128, 16), (4, 4, 32, 16), (10, 2, 64, 8), (4, 2, 128, 32), (24, 2, 64, 16)],
+)
 @pytest.mark.parametrize("threads", [2, 16])
-def test_bf16_decode_attention_is_within_a_rounding_step_of_float32(target, heads, kv_heads, head_dim, threads):
-    """The kernel takes bf16 K and V to float32 and sums in float32, so no output element is further from the
-    attention computed in float32 on the same stored values than one bfloat16 step at its head's largest output:
-    the output's own rounding. With 16 threads for 8 (sequence, KV head) pairs each context is cut into runs
-    whose partial sums are merged (runs past a short context's end hold nothing): the same bound holds."""
+def test_bf16_decode_attention_is_within_a_rounding_step_of_float32(target, heads, kv_heads, head_dim, block, threads):
+    """The kernels take bf16 products exactly and sum in float32 (the weights unrounded), so no output element is
+    further from the attention computed in float32 on the same stored values than one bfloat16 step at its head's
+    largest output: the output's own rounding. With 16 threads for 8 (sequence, KV head) pairs each context is cut
+    into runs whose partial sums are merged (runs past a short context's end hold nothing): the same bound holds.
+    The 1,100-position context spans three of the bf16 kernel's 512-position softmax steps."""
     torch.manual_seed(3)
-    lens, block = [1, 17, 300, 1100], 16
+    lens = [1, 17, 300, 1100]
     per_seq = -(-max(lens) // block)
     tables = torch.randperm(4 * per_seq).view(4, per_seq).int()
     cache = torch.randn(2, 4 * per_seq, block, kv_heads, head_dim, dtype=torch.bfloat16)

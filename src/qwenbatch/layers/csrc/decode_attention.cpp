@@ -1,20 +1,24 @@
 // Decode attention on the CPU: each decoding row's query heads against its sequence's context, read through the
-// block tables from the paged KV cache in place (no per-step gather of the context), in one pass with the softmax
-// taken online: each block converted to float32 in L1, plain FMAs, for every dtype and CPU. (A second kernel on the
-// stored bf16 values with AVX512-BF16's pair dot products ran 1.8x faster from cache but no faster end to end: a
-// real step finds its KV in memory, and waits on it. BENCHMARKS.md, issue 15's sixth and seventh sessions. That was
-// measured while GCC dropped this kernel's prefetches; with them, from memory takes 1.4-1.5x from cache, not 2.5x.)
+// block tables from the paged KV cache in place (no per-step gather of the context), the softmax taken online.
+// Two kernels share the task plan (attend_all): a float32 one for every dtype and CPU (each block converted to
+// float32 in L1, plain FMAs), and, for bf16 caches on AVX512-BF16, one whose scores come from the stored bf16 values
+// by vdpbf16ps (Bf16Worker): 1.7-1.9x the float32 kernel from memory and from cache on the default model's shapes
+// (benchmarks/decode_attention_micro.py, Zen 5). An earlier bf16 kernel (issue 15's sixth session) ran 1.8x from
+// cache but no faster from memory, which a real step reads from; that one kept the online softmax's reductions once
+// every 16 positions, and took each block's K and V into L1 together.
 #include "float_math.h"
 #include "ops.h"
 #include "prefetch.h"
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -104,22 +108,300 @@ inline void online_softmax_step(float* scores, int64_t stride, int64_t n, float*
   }
 }
 
-// One (sequence, KV head, run of the context's blocks) a task: its `group` query heads against the run, a cache
-// block at a time.
+// The float32 kernel, for every dtype and CPU: one (sequence, KV head, run of the context's blocks) a task, its
+// `group` query heads against the run, a cache block at a time.
 // Each K and V byte is read once, from its block in place: the block's rows of this head are converted to float32
 // into buffers that stay in L1, then used while there. scores[p][g] += K[p][i] * Q[g][i] runs kPositions positions
 // side by side, and out[g][i] += P[p][g] * V[p][i] keeps a kLanes x kDims block of the output in registers across
 // the block.
 template <typename T>
-void decode_attention_f32(const Problem<T>& pr, int64_t splits) {
-  constexpr int64_t kDims = 16;
-  const T *q = pr.q, *k_cache = pr.k_cache, *v_cache = pr.v_cache;
+class F32Worker {
+ public:
+  explicit F32Worker(const Problem<T>& pr)
+      : pr_(pr),
+        group_(pr.heads / pr.kv_heads),
+        lanes_(round_up(group_, kLanes)),
+        qt_(pr.head_dim * lanes_),
+        kf_(round_up(pr.block_size, kPositions) * pr.head_dim, 0.f),
+        vf_(pr.block_size * pr.head_dim),
+        scores_(round_up(pr.block_size, kPositions) * lanes_),
+        acc(lanes_ * pr.head_dim),
+        mx(lanes_),
+        sum(lanes_) {}
+
+  // Sequence s's KV head h against blocks [b_begin, b_end) of its context: acc[g][i] (not yet divided by the sums),
+  // mx[g] and sum[g] for its query heads g.
+  void attend(int64_t s, int64_t h, int64_t b_begin, int64_t b_end) {
+    constexpr int64_t kDims = 16;
+    const Problem<T>& pr = pr_;
+    const int64_t head_dim = pr.head_dim, block_size = pr.block_size, lanes = lanes_, len = pr.lens[s];
+    std::fill(qt_.begin(), qt_.end(), 0.f);  // [lane chunk][dim][lane]
+    for (int64_t g = 0; g < group_; ++g)
+      for (int64_t i = 0; i < head_dim; ++i)
+        qt_[((g / kLanes) * head_dim + i) * kLanes + g % kLanes] =
+            to_f32(pr.q[(s * pr.heads + h * group_ + g) * head_dim + i]) * pr.scale;
+    std::fill(acc.begin(), acc.end(), 0.f);  // [lane][dim]
+    std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
+    std::fill(sum.begin(), sum.end(), 0.f);
+    // kf's rows past a block's end keep whatever they held: their scores are taken but never used.
+    float *kf = kf_.data(), *vf = vf_.data(), *scores = scores_.data();
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      const int64_t p0 = b * block_size, n = std::min(block_size, len - p0);
+      for (int64_t ahead = b == b_begin ? 1 : kBlocksAhead; ahead <= kBlocksAhead; ++ahead)
+        if (b + ahead < b_end) pr.prefetch_block(s, b + ahead, h);
+      const int64_t base = pr.head_offset(s, b, h);
+      for (int64_t p = 0; p < n; ++p) {
+        const T* kp = pr.k_cache + base + p * pr.token_stride();
+        const T* vp = pr.v_cache + base + p * pr.token_stride();
+        float* kf_p = kf + p * head_dim;
+        float* vf_p = vf + p * head_dim;
+#pragma omp simd
+        for (int64_t i = 0; i < head_dim; ++i) kf_p[i] = to_f32(kp[i]);
+#pragma omp simd
+        for (int64_t i = 0; i < head_dim; ++i) vf_p[i] = to_f32(vp[i]);
+      }
+      for (int64_t c = 0; c < lanes; c += kLanes) {
+        const float* qc = qt_.data() + c * head_dim;
+        for (int64_t pb = 0; pb < n; pb += kPositions) {
+          float dots[kPositions][kLanes] = {};
+          for (int64_t i = 0; i < head_dim; ++i) {
+            const float* qi = qc + i * kLanes;
+            for (int64_t pp = 0; pp < kPositions; ++pp) {
+              const float k = kf[(pb + pp) * head_dim + i];
+#pragma omp simd
+              for (int64_t l = 0; l < kLanes; ++l) dots[pp][l] += k * qi[l];
+            }
+          }
+          for (int64_t pp = 0; pp < kPositions; ++pp)
+            std::memcpy(scores + (pb + pp) * lanes + c, dots[pp], sizeof(dots[pp]));
+        }
+        float shrink[kLanes];
+        online_softmax_step(scores + c, lanes, n, mx.data() + c, sum.data() + c, shrink);
+        for (int64_t d0 = 0; d0 < head_dim; d0 += kDims) {
+          float o[kLanes][kDims];
+          for (int64_t l = 0; l < kLanes; ++l) {
+            const float* a = acc.data() + (c + l) * head_dim + d0;
+#pragma omp simd
+            for (int64_t i = 0; i < kDims; ++i) o[l][i] = a[i] * shrink[l];
+          }
+          for (int64_t p = 0; p < n; ++p) {
+            const float* sp = scores + p * lanes + c;
+            const float* vd = vf + p * head_dim + d0;
+            for (int64_t l = 0; l < kLanes; ++l) {
+              const float w = sp[l];
+#pragma omp simd
+              for (int64_t i = 0; i < kDims; ++i) o[l][i] += w * vd[i];
+            }
+          }
+          for (int64_t l = 0; l < kLanes; ++l) std::memcpy(acc.data() + (c + l) * head_dim + d0, o[l], sizeof(o[l]));
+        }
+      }
+    }
+  }
+
+ private:
+  const Problem<T>& pr_;
+  const int64_t group_, lanes_;  // query heads of a KV head, and as many padded to whole vectors
+  std::vector<float> qt_, kf_, vf_, scores_;
+
+ public:
+  std::vector<float> acc, mx, sum;
+};
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define QB_DECODE_BF16 1
+
+// Transposes 16 rows of 16 32-bit words in place: r[j] becomes word j of every row (row p in lane p).
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // within each 128-bit lane: pairs of rows interleaved word by word ...
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // ... then 4 x 4 blocks: r[i + c] holds word 4L + c of rows i .. i + 3, lane L
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // the four row groups' lanes L brought together: word 4L + c of all 16 rows
+    t[c] = _mm512_shuffle_i32x4(r[c], r[4 + c], _MM_SHUFFLE(1, 0, 1, 0));
+    t[4 + c] = _mm512_shuffle_i32x4(r[c], r[4 + c], _MM_SHUFFLE(3, 2, 3, 2));
+    t[8 + c] = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(1, 0, 1, 0));
+    t[12 + c] = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    r[4 + c] = _mm512_shuffle_i32x4(t[c], t[8 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    r[8 + c] = _mm512_shuffle_i32x4(t[4 + c], t[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + c] = _mm512_shuffle_i32x4(t[4 + c], t[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// The kernel for bf16 caches on AVX512-BF16, for G query heads a KV head (every Qwen model has 2 to 8).
+// - Scores: 16 positions at a time are the lanes. Their K rows, transposed in registers into [dim pair][position]
+//   words, meet each query head's dimension pairs in vdpbf16ps: bf16 products are exact in float32 and summed
+//   there, so the scores are the float32 kernel's (up to the order of the sums), 2 x 16 multiply-adds an
+//   instruction rather than 8.
+// - Softmax: a span of up to 512 positions' scores is taken first, then its weights, then its share of the output:
+//   the maxima, sums and the output's rescaling come once a span. Once every 16 positions, they were a third of the
+//   kernel's time (the horizontal reductions' latencies, and a scalar exp for each head's rescaling).
+// - P . V stays in float32 FMAs, the weights unrounded (to bf16 they would err by up to 2^-9 each): each V row
+//   converted in registers, 2 x 16 dimensions of G heads' outputs held in registers across the span.
+constexpr int64_t kBf16MaxDims = 256;  // the bf16 kernel's largest head_dim
+
+template <int G>
+class Bf16Worker {
+ public:
+  explicit Bf16Worker(const Problem<c10::BFloat16>& pr) : pr_(pr), acc(G * pr.head_dim), mx(G), sum(G) {}
+
+  void attend(int64_t s, int64_t h, int64_t b_begin, int64_t b_end) {
+    const Problem<c10::BFloat16>& pr = pr_;
+    const int64_t len = pr.lens[s];
+    q_ = reinterpret_cast<const uint32_t*>(pr.q + (s * pr.heads + h * G) * pr.head_dim);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
+    std::fill(sum.begin(), sum.end(), 0.f);
+    int64_t count = 0;
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      const int64_t n = std::min(pr.block_size, len - b * pr.block_size);
+      const int64_t base = pr.head_offset(s, b, h);
+      for (int64_t p = 0; p < n; p += 16) {
+        chunks_[count++] = {base + p * pr.token_stride(), std::min<int64_t>(16, n - p)};
+        if (count == kSpanChunks) span(std::exchange(count, 0));
+      }
+    }
+    if (count > 0) span(count);
+  }
+
+ private:
+  static constexpr int64_t kSpanChunks = 32;  // of up to 16 positions: a span's scores, G x 2 KB, stay in L1
+  // How far ahead of its use a span's next rows are asked for (see prefetch): 3 steps ran 1.04-1.07x as fast as 2
+  // from memory, as fast as 4 or 6 (decode_attention_micro.py --base, Zen 5).
+  static constexpr int64_t kStepsAhead = 3;
+  struct Chunk {
+    int64_t offset;  // of its first position's K (and V) row in the cache
+    int64_t n;       // positions, 1 to 16
+  };
+
+  static __mmask16 live(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
+
+  // The first `count` chunks: their scores, the softmax's step, their share of the output.
+  void span(int64_t count) {
+    const int64_t head_dim = pr_.head_dim;
+    for (int64_t step = 0; step < kStepsAhead; ++step) prefetch(step, count);
+    for (int64_t c = 0; c < count; ++c) {
+      prefetch(c + kStepsAhead, count);
+      scores(chunks_[c], c);
+    }
+    float shrink[G];
+    for (int g = 0; g < G; ++g) {
+      float* w = weights_[g];
+      __m512 top = _mm512_set1_ps(mx[g]);
+      for (int64_t c = 0; c < count; ++c)
+        top = _mm512_mask_max_ps(top, live(chunks_[c].n), top, _mm512_load_ps(w + 16 * c));
+      const float new_mx = _mm512_reduce_max_ps(top);
+#pragma omp simd
+      for (int64_t i = 0; i < 16 * count; ++i) w[i] = vec_exp(w[i] - new_mx);
+      __m512 added = _mm512_setzero_ps();
+      for (int64_t c = 0; c < count; ++c)
+        added = _mm512_add_ps(added, _mm512_maskz_load_ps(live(chunks_[c].n), w + 16 * c));
+      shrink[g] = mx[g] == -std::numeric_limits<float>::infinity() ? 0.f : vec_exp(mx[g] - new_mx);
+      sum[g] = sum[g] * shrink[g] + _mm512_reduce_add_ps(added);
+      mx[g] = new_mx;
+    }
+    const int64_t stride = pr_.token_stride();
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+      __m512 o[G][2];
+      for (int g = 0; g < G; ++g)
+        for (int z = 0; z < 2; ++z)
+          o[g][z] = _mm512_mul_ps(_mm512_loadu_ps(acc.data() + g * head_dim + d0 + 16 * z), _mm512_set1_ps(shrink[g]));
+      for (int64_t c = 0; c < count; ++c) {
+        prefetch((1 + d0 / 32) * count + c + kStepsAhead, count);
+        const c10::BFloat16* v = pr_.v_cache + chunks_[c].offset + d0;
+        for (int64_t p = 0; p < chunks_[c].n; ++p) {
+          __m512 vz[2];
+          for (int z = 0; z < 2; ++z) {
+            const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + p * stride + 16 * z));
+            vz[z] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+          }
+          for (int g = 0; g < G; ++g) {
+            const __m512 w = _mm512_set1_ps(weights_[g][16 * c + p]);
+            for (int z = 0; z < 2; ++z) o[g][z] = _mm512_fmadd_ps(w, vz[z], o[g][z]);
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int z = 0; z < 2; ++z) _mm512_storeu_ps(acc.data() + g * head_dim + d0 + 16 * z, o[g][z]);
+    }
+  }
+
+  // Asks for step `step` of a span of `count` chunks into L1, if there is one: steps [0, count) are the chunks' K rows,
+  // then each 32-dimension pass of P . V reads 64 bytes of every V row, chunk by chunk, steps [(1 + pass) count,
+  // (2 + pass) count). Each pass asks for its own rows only: with a chunk's K and V both asked for as its scores
+  // were taken, P . V waited on V loads for a third of the kernel's time (perf), and from memory 64 sequences x 320
+  // positions took 680 us a layer against ~500 so (Zen 5).
+  void prefetch(int64_t step, int64_t count) const {
+    if (step >= count * (1 + pr_.head_dim / 32)) return;
+    const Chunk& chunk = chunks_[step % count];
+    const int64_t stride = pr_.token_stride();
+    if (step < count) {
+      const char* k = reinterpret_cast<const char*>(pr_.k_cache + chunk.offset);
+      for (int64_t p = 0; p < chunk.n; ++p)
+        for (int64_t byte = 0; byte < pr_.head_dim * 2; byte += 64) qb::prefetch_l1(k + p * stride * 2 + byte);
+      return;
+    }
+    const c10::BFloat16* v = pr_.v_cache + chunk.offset + (step / count - 1) * 32;
+    for (int64_t p = 0; p < chunk.n; ++p) qb::prefetch_l1(v + p * stride);
+  }
+
+  // Chunk c's scores (scale included) into weights_[g][16 c ..]; lanes past its positions hold scores of zeros.
+  void scores(const Chunk& chunk, int64_t c) {
+    const int64_t pairs = pr_.head_dim / 2, stride = pr_.token_stride();
+    const c10::BFloat16* k = pr_.k_cache + chunk.offset;
+    for (int64_t w0 = 0; w0 < pairs; w0 += 16) {
+      __m512i r[16];
+      if (chunk.n == 16) {
+        for (int64_t p = 0; p < 16; ++p) r[p] = _mm512_loadu_si512(k + p * stride + 2 * w0);
+      } else {  // rows past the chunk are zeros: they may lie past the cache's end
+        for (int64_t p = 0; p < 16; ++p)
+          r[p] = p < chunk.n ? _mm512_loadu_si512(k + p * stride + 2 * w0) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int j = 0; j < 16; ++j) _mm512_store_si512(kt_ + (w0 + j) * 16, r[j]);
+    }
+    // Two chains a head (even and odd pairs): one was bound by vdpbf16ps' latency at 7 heads.
+    __m512 dots[G][2];
+    for (int g = 0; g < G; ++g) dots[g][0] = dots[g][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < pairs; j += 2)
+      for (int i = 0; i < 2; ++i) {
+        const __m512bh kj = (__m512bh)_mm512_load_si512(kt_ + (j + i) * 16);
+        for (int g = 0; g < G; ++g)
+          dots[g][i] =
+              _mm512_dpbf16_ps(dots[g][i], kj, (__m512bh)_mm512_set1_epi32(static_cast<int>(q_[g * pairs + j + i])));
+      }
+    const __m512 scale = _mm512_set1_ps(pr_.scale);
+    for (int g = 0; g < G; ++g)
+      _mm512_store_ps(weights_[g] + 16 * c, _mm512_mul_ps(_mm512_add_ps(dots[g][0], dots[g][1]), scale));
+  }
+
+  const Problem<c10::BFloat16>& pr_;
+  const uint32_t* q_ = nullptr;  // the task's G query heads, rows of dimension-pair words
+  Chunk chunks_[kSpanChunks];
+  alignas(64) uint32_t kt_[kBf16MaxDims / 2 * 16];       // a chunk's K rows transposed: [dim pair][position]
+  alignas(64) float weights_[G][kSpanChunks * 16];  // the span's scores, then its weights
+
+ public:
+  std::vector<float> acc, mx, sum;
+};
+#endif
+
+// Runs a kernel's Worker over the call's tasks, (sequence, KV head, run of the context) each, and writes the output:
+// each task's heads divided by their sums, or, where contexts are cut into runs, the runs' partial results merged.
+template <typename T, typename Worker>
+void attend_all(const Problem<T>& pr, int64_t splits) {
   const int64_t heads = pr.heads, kv_heads = pr.kv_heads, head_dim = pr.head_dim, block_size = pr.block_size;
-  const float scale = pr.scale;
   const int64_t group = heads / kv_heads;
-  const int64_t lanes = round_up(group, kLanes);  // padded query heads
-  const int64_t padded_block = round_up(block_size, kPositions);
-  const int64_t token_stride = pr.token_stride();
   // With splits, each run's output (not yet divided by its sum), maximum and sum: [seq][kv head][run][group ...].
   std::vector<float> run_acc(splits > 1 ? pr.num_seqs * heads * splits * head_dim : 0),
       run_mx(splits > 1 ? pr.num_seqs * heads * splits : 0), run_sum(run_mx.size());
@@ -160,89 +442,26 @@ void decode_attention_f32(const Problem<T>& pr, int64_t splits) {
   std::atomic<int64_t> next{0};
   const auto claim = [&] { return next.fetch_add(1, std::memory_order_relaxed); };
   at::parallel_for(0, workers, 1, [&](int64_t first_worker, int64_t end_worker) {
-    // kf's rows past a block's end keep whatever they held: their scores are taken but never used.
-    std::vector<float> qt(head_dim * lanes), kf(padded_block * head_dim, 0.f), vf(block_size * head_dim),
-        scores(padded_block * lanes), acc(lanes * head_dim), mx(lanes), sum(lanes);
+    Worker worker(pr);
     const bool in_order = order.empty();
     const int64_t first = in_order ? first_worker * share : claim();
     const int64_t stop = in_order ? std::min(tasks, end_worker * share) : tasks;
     for (int64_t claimed = first; claimed < stop; claimed = in_order ? claimed + 1 : claim()) {
       const int64_t task = in_order ? claimed : order[claimed];
       const int64_t s = task / (kv_heads * splits), h = task / splits % kv_heads, run = task % splits;
-      const int64_t len = pr.lens[s];
       const auto [b_begin, b_end] = blocks_of(task);
-      std::fill(qt.begin(), qt.end(), 0.f);  // [lane chunk][dim][lane]
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < head_dim; ++i)
-          qt[((g / kLanes) * head_dim + i) * kLanes + g % kLanes] =
-              to_f32(q[(s * heads + h * group + g) * head_dim + i]) * scale;
-      std::fill(acc.begin(), acc.end(), 0.f);  // [lane][dim], not yet divided by the sums
-      std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
-      std::fill(sum.begin(), sum.end(), 0.f);
-      for (int64_t b = b_begin; b < b_end; ++b) {
-        const int64_t p0 = b * block_size, n = std::min(block_size, len - p0);
-        for (int64_t ahead = b == b_begin ? 1 : kBlocksAhead; ahead <= kBlocksAhead; ++ahead)
-          if (b + ahead < b_end) pr.prefetch_block(s, b + ahead, h);
-        const int64_t base = pr.head_offset(s, b, h);
-        for (int64_t p = 0; p < n; ++p) {
-          const T* kp = k_cache + base + p * token_stride;
-          const T* vp = v_cache + base + p * token_stride;
-          float* kf_p = kf.data() + p * head_dim;
-          float* vf_p = vf.data() + p * head_dim;
-#pragma omp simd
-          for (int64_t i = 0; i < head_dim; ++i) kf_p[i] = to_f32(kp[i]);
-#pragma omp simd
-          for (int64_t i = 0; i < head_dim; ++i) vf_p[i] = to_f32(vp[i]);
-        }
-        for (int64_t c = 0; c < lanes; c += kLanes) {
-          const float* qc = qt.data() + c * head_dim;
-          for (int64_t pb = 0; pb < n; pb += kPositions) {
-            float dots[kPositions][kLanes] = {};
-            for (int64_t i = 0; i < head_dim; ++i) {
-              const float* qi = qc + i * kLanes;
-              for (int64_t pp = 0; pp < kPositions; ++pp) {
-                const float k = kf[(pb + pp) * head_dim + i];
-#pragma omp simd
-                for (int64_t l = 0; l < kLanes; ++l) dots[pp][l] += k * qi[l];
-              }
-            }
-            for (int64_t pp = 0; pp < kPositions; ++pp)
-              std::memcpy(scores.data() + (pb + pp) * lanes + c, dots[pp], sizeof(dots[pp]));
-          }
-          float shrink[kLanes];
-          online_softmax_step(scores.data() + c, lanes, n, mx.data() + c, sum.data() + c, shrink);
-          for (int64_t d0 = 0; d0 < head_dim; d0 += kDims) {
-            float o[kLanes][kDims];
-            for (int64_t l = 0; l < kLanes; ++l) {
-              const float* a = acc.data() + (c + l) * head_dim + d0;
-#pragma omp simd
-              for (int64_t i = 0; i < kDims; ++i) o[l][i] = a[i] * shrink[l];
-            }
-            for (int64_t p = 0; p < n; ++p) {
-              const float* sp = scores.data() + p * lanes + c;
-              const float* vd = vf.data() + p * head_dim + d0;
-              for (int64_t l = 0; l < kLanes; ++l) {
-                const float w = sp[l];
-#pragma omp simd
-                for (int64_t i = 0; i < kDims; ++i) o[l][i] += w * vd[i];
-              }
-            }
-            for (int64_t l = 0; l < kLanes; ++l)
-              std::memcpy(acc.data() + (c + l) * head_dim + d0, o[l], sizeof(o[l]));
-          }
-        }
-      }
+      worker.attend(s, h, b_begin, b_end);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t head = s * heads + h * group + g;
+        const float* acc = worker.acc.data() + g * head_dim;
         if (splits > 1) {
-          std::memcpy(run_acc.data() + (head * splits + run) * head_dim, acc.data() + g * head_dim,
-                      head_dim * sizeof(float));
-          run_mx[head * splits + run] = mx[g];
-          run_sum[head * splits + run] = sum[g];
+          std::memcpy(run_acc.data() + (head * splits + run) * head_dim, acc, head_dim * sizeof(float));
+          run_mx[head * splits + run] = worker.mx[g];
+          run_sum[head * splits + run] = worker.sum[g];
           continue;
         }
-        const float inv = 1.f / sum[g];
-        for (int64_t i = 0; i < head_dim; ++i) pr.out[head * head_dim + i] = from_f32<T>(acc[g * head_dim + i] * inv);
+        const float inv = 1.f / worker.sum[g];
+        for (int64_t i = 0; i < head_dim; ++i) pr.out[head * head_dim + i] = from_f32<T>(acc[i] * inv);
       }
     }
   });
@@ -269,6 +488,29 @@ void decode_attention_f32(const Problem<T>& pr, int64_t splits) {
   });
 }
 
+// The kernel for the call: the bf16 one where it is built and fits the heads, else the float32 one.
+template <typename T>
+void decode_attention(const Problem<T>& pr, int64_t splits) {
+#ifdef QB_DECODE_BF16
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (pr.head_dim % 32 == 0 && pr.head_dim <= kBf16MaxDims) {
+      switch (pr.heads / pr.kv_heads) {
+        case 1: return attend_all<T, Bf16Worker<1>>(pr, splits);
+        case 2: return attend_all<T, Bf16Worker<2>>(pr, splits);
+        case 3: return attend_all<T, Bf16Worker<3>>(pr, splits);
+        case 4: return attend_all<T, Bf16Worker<4>>(pr, splits);
+        case 5: return attend_all<T, Bf16Worker<5>>(pr, splits);
+        case 6: return attend_all<T, Bf16Worker<6>>(pr, splits);
+        case 7: return attend_all<T, Bf16Worker<7>>(pr, splits);
+        case 8: return attend_all<T, Bf16Worker<8>>(pr, splits);
+        default: break;
+      }
+    }
+  }
+#endif
+  attend_all<T, F32Worker<T>>(pr, splits);
+}
+
 }  // namespace
 
 // q: [D, heads, head_dim]; kv_cache: [2, blocks, block_size, kv_heads, head_dim]; block_tables: int32 [D, max_blocks];
@@ -292,11 +534,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const int64_t longest = D > 0 ? *std::max_element(lp, lp + D) : 0;
   const int64_t splits = context_splits(D * kv_heads, at::get_num_threads(), longest);
   QB_DISPATCH(q.scalar_type(), "paged_decode_attention",
-              decode_attention_f32(Problem<scalar_t>{qc.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(),
-                                                     kv_cache.data_ptr<scalar_t>() + half, tables.data_ptr<int32_t>(),
-                                                     lc.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), D, heads,
-                                                     kv_heads, head_dim, block_size, tables.size(1),
-                                                     static_cast<float>(scale)},
-                                   splits));
+              decode_attention(Problem<scalar_t>{qc.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(),
+                                                 kv_cache.data_ptr<scalar_t>() + half, tables.data_ptr<int32_t>(),
+                                                 lc.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), D, heads, kv_heads,
+                                                 head_dim, block_size, tables.size(1), static_cast<float>(scale)},
+                               splits));
   return out;
 }
