@@ -86,27 +86,3 @@ def test_an_int8_engine_streams_its_packed_weights_from_one_huge_page_mapping(ti
     assert not any(isinstance(m, nn.Linear) for m in llm.engine.runner.model.modules())
     out = llm.generate([[5, 9, 14, 3]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6
-
-
-def test_empty_tensors_take_their_place_in_order_and_can_be_written():
-    arena = HugePageArena(3 * HUGE_PAGE_BYTES)
-    first = arena.empty((3, 5), torch.bfloat16)
-    second = arena.empty((2, HUGE_PAGE_BYTES // 4), torch.float32)
-    assert first.shape == (3, 5) and first.dtype == torch.bfloat16 and first.is_contiguous()
-    assert second.data_ptr() == first.data_ptr() + 64  # 30 bytes, then the next cache line
-    second.fill_(2.0)
-    first.fill_(1.0)
-    assert float(second.sum()) == 2.0 * second.numel() and float(first.sum()) == 15.0
-    with pytest.raises(ValueError, match="bytes left"):
-        arena.empty((HUGE_PAGE_BYTES,), torch.uint8)
-
-
-@linux_only
-def test_the_host_kv_pool_lies_in_one_mapping_advised_for_huge_pages(tiny_qwen2):
-    # On hosts that give huge pages only where advised (THP "madvise"), the pool was on 4 KiB pages, and decode
-    # attention missed the TLB on most of the blocks it read.
-    llm = LLM(model=str(tiny_qwen2), dtype="float32", kv_cache_memory=64 * 2**20)
-    caches = llm.engine.runner.kv_caches
-    assert all("hg" in vm_flags(c.data_ptr()) and "hg" in vm_flags(c.data_ptr() + c.nbytes - 1) for c in caches)
-    out = llm.generate([[5, 9, 14, 3]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 6

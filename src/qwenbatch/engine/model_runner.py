@@ -7,7 +7,6 @@ oneDNN linears) or on CUDA (Triton attention, decode steps replayed as CUDA grap
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -23,7 +22,6 @@ from qwenbatch.layers.attention import (
     TorchAttentionMetadata,
 )
 from qwenbatch.layers.cpu_kernels import greedy_tokens
-from qwenbatch.layers.huge_pages import HugePageArena, padded_bytes
 from qwenbatch.layers.opaque_attention import step_attention
 from qwenbatch.layers.prefill_choice import OURS, SDPA
 from qwenbatch.layers.sampler import SamplingRow, sample
@@ -127,11 +125,7 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
         # Uninitialised on purpose: zero-filling gigabytes costs seconds of page faults at start-up,
         # and every slot is written before it is read (decode padding points at real slots).
-        layers = self.cfg.num_hidden_layers
-        if self.device.type != "cpu":
-            return [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
-        arena = HugePageArena(layers * padded_bytes(math.prod(shape) * self.dtype.itemsize))
-        return [arena.empty(shape, self.dtype) for _ in range(layers)]
+        return [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.cfg.num_hidden_layers)]
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -1,19 +1,15 @@
-"""Memory that a decode step reads all over, in one mapping backed by 2 MiB pages: the weights it streams, and
-the host KV pool.
+"""Weights that a decode step streams, laid out in one mapping backed by 2 MiB pages.
 
 A batch-1 decode step reads every weight once: 0.43 GB for the default model under int8, ~106,000 pages of
 4 KiB a step. Each page is a TLB miss, and the hardware prefetchers stop at every page boundary. Linux backs
 anonymous memory with transparent huge pages where the process asks (``madvise``, the usual setting and the one
 these machines have; PyTorch's allocator does not ask). Copying the packed weights into one such mapping, in the
-order the layers run, made batch-1 decode ~9% faster (BENCHMARKS.md, issue 15). A decode step's attention reads
-each sequence's KV blocks scattered through gigabytes of pool, a few KB from each 4 KiB page: on 2 MiB pages
-decode attention ran ~10% faster from memory.
+order the layers run, made batch-1 decode ~9% faster (BENCHMARKS.md, issue 15).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import mmap
 from collections.abc import Sequence
 
@@ -25,15 +21,13 @@ HUGE_PAGE_BYTES = 2 << 20
 _ALIGN = 64  # each tensor starts on a cache line, as PyTorch's allocator places them
 
 
-def padded_bytes(nbytes: int) -> int:
-    """What ``nbytes`` take in an arena: each tensor starts on a cache line."""
-    return -(-nbytes // _ALIGN) * _ALIGN
+def _padded_bytes(t: torch.Tensor) -> int:
+    return -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
 
 
 class HugePageArena:
-    """One anonymous mapping, asked to be backed by transparent huge pages, that tensors are copied into
-    (``place``) or made in (``empty``) one after another; each keeps the mapping alive. ``for_tensors`` sizes it
-    for a set of tensors, ``padded_bytes`` gives what one takes."""
+    """One anonymous mapping, asked to be backed by transparent huge pages, that tensors are copied into one after
+    another (``place``); each copy keeps the mapping alive. ``for_tensors`` sizes it for a set of tensors."""
 
     def __init__(self, nbytes: int) -> None:
         advice = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -52,20 +46,14 @@ class HugePageArena:
 
     @classmethod
     def for_tensors(cls, tensors: Sequence[torch.Tensor]) -> HugePageArena:
-        return cls(sum(padded_bytes(t.numel() * t.element_size()) for t in tensors))
-
-    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised contiguous tensor at the arena's next free cache line. Its pages are untouched until
-        written, so they take no memory before, and come as huge pages then."""
-        nbytes = math.prod(shape) * dtype.itemsize
-        if self._next + nbytes > self._end:
-            raise ValueError(f"the arena has {self._end - self._next} bytes left, not {nbytes}")
-        tensor = self._bytes[self._next : self._next + nbytes].view(dtype).view(tuple(shape))
-        self._next += padded_bytes(nbytes)
-        return tensor
+        return cls(sum(_padded_bytes(t) for t in tensors))
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of the CPU ``tensor`` at the arena's next free cache line."""
-        copy = self.empty(tensor.shape, tensor.dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._next + nbytes > self._end:
+            raise ValueError(f"the arena has {self._end - self._next} bytes left, not {nbytes}")
+        copy = self._bytes[self._next : self._next + nbytes].view(tensor.dtype).view(tensor.shape)
         copy.copy_(tensor)
+        self._next += _padded_bytes(tensor)
         return copy
