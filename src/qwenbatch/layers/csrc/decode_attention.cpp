@@ -212,7 +212,7 @@ class F32Worker {
 #define QB_DECODE_BF16 1
 
 // Transposes 16 rows of 16 32-bit words in place: r[j] becomes word j of every row (row p in lane p).
-inline void transpose16(__m512i (&r)[16]) {
+__attribute__((always_inline)) inline void transpose16(__m512i (&r)[16]) {
   __m512i t[16];
   for (int i = 0; i < 16; i += 2) {  // within each 128-bit lane: pairs of rows interleaved word by word ...
     t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
