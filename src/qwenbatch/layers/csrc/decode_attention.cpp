@@ -2,8 +2,8 @@
 // block tables from the paged KV cache in place (no per-step gather of the context), the softmax taken online.
 // Two kernels share the task plan (attend_all): a float32 one for every dtype and CPU (each block converted to
 // float32 in L1, plain FMAs), and, for bf16 caches on AVX512-BF16, one whose scores come from the stored bf16 values
-// by vdpbf16ps (Bf16Worker): 1.7-1.9x the float32 kernel from memory and from cache on the default model's shapes
-// (benchmarks/decode_attention_micro.py, Zen 5). An earlier bf16 kernel (issue 15's sixth session) ran 1.8x from
+// by vdpbf16ps (Bf16Worker): 1.6-2.0x the float32 kernel from memory, 1.7-2.4x from cache, on the default model's
+// shapes (benchmarks/decode_attention_micro.py, Zen 5). An earlier bf16 kernel (issue 15's sixth session) ran 1.8x from
 // cache but no faster from memory, which a real step reads from; that one kept the online softmax's reductions once
 // every 16 positions, and took each block's K and V into L1 together.
 #include "float_math.h"
@@ -255,6 +255,7 @@ class Bf16Worker {
  public:
   explicit Bf16Worker(const Problem<c10::BFloat16>& pr) : pr_(pr), acc(G * pr.head_dim), mx(G), sum(G) {}
 
+  // As F32Worker::attend: acc, mx and sum of the task's G query heads.
   void attend(int64_t s, int64_t h, int64_t b_begin, int64_t b_end) {
     const Problem<c10::BFloat16>& pr = pr_;
     const int64_t len = pr.lens[s];
@@ -370,7 +371,7 @@ class Bf16Worker {
       transpose16(r);
       for (int j = 0; j < 16; ++j) _mm512_store_si512(kt_ + (w0 + j) * 16, r[j]);
     }
-    // Two chains a head (even and odd pairs): one was bound by vdpbf16ps' latency at 7 heads.
+    // Two chains a head (even and odd pairs), so that a few heads still keep vdpbf16ps' latency covered.
     __m512 dots[G][2];
     for (int g = 0; g < G; ++g) dots[g][0] = dots[g][1] = _mm512_setzero_ps();
     for (int64_t j = 0; j < pairs; j += 2)
@@ -388,8 +389,8 @@ class Bf16Worker {
   const Problem<c10::BFloat16>& pr_;
   const uint32_t* q_ = nullptr;  // the task's G query heads, rows of dimension-pair words
   Chunk chunks_[kSpanChunks];
-  alignas(64) uint32_t kt_[kBf16MaxDims / 2 * 16];       // a chunk's K rows transposed: [dim pair][position]
-  alignas(64) float weights_[G][kSpanChunks * 16];  // the span's scores, then its weights
+  alignas(64) uint32_t kt_[kBf16MaxDims / 2 * 16];  // a chunk's K rows transposed: [dim pair][position]
+  alignas(64) float weights_[G][kSpanChunks * 16];   // the span's scores, then its weights
 
  public:
   std::vector<float> acc, mx, sum;
