@@ -492,6 +492,23 @@ def test_a_store_made_by_a_newer_version_is_refused(tmp_path):
         BatchStore(tmp_path / "data")
 
 
+def test_a_store_opens_while_another_process_is_writing(tmp_path):
+    # A server's worker writes while a second process (run-batch, a test) opens the same store. Opening took a read
+    # snapshot and then wrote the schema's version: in WAL mode a write committed in between makes that upgrade fail
+    # at once ("database is locked"), without waiting out the busy timeout.
+    store = BatchStore(tmp_path / "data")
+    writer = sqlite3.connect(store.db_path, isolation_level=None, check_same_thread=False)
+    writer.execute("BEGIN IMMEDIATE")
+    writer.execute(
+        "INSERT INTO files (id, owner, bytes, created_at, filename, purpose, status) "
+        "VALUES ('file-x', 'alice', 0, 0, 'in.jsonl', 'batch', 'processed')"
+    )
+    threading.Timer(0.5, writer.execute, ("COMMIT",)).start()
+    BatchStore(tmp_path / "data")  # waits for the writer, then opens
+    assert writer.execute("SELECT count(*) FROM files").fetchone()[0] == 1  # the writer's row was committed
+    writer.close()
+
+
 class FailingReader(io.RawIOBase):
     """A source that gives one chunk, then fails (a client that vanished mid-upload)."""
 

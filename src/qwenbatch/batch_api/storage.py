@@ -42,8 +42,11 @@ CANCELLABLE = ("validating", "in_progress", "finalizing")
 _CHUNK_BYTES = 2**20
 _STALE_TMP_S = 3600  # a younger tmp blob may be another server's upload still being written
 
+# Run by every BatchStore that opens the database. The write lock comes first (IMMEDIATE): begun deferred, the script
+# read the schema and then wrote its version, and in WAL mode a write committed by another process in between (a
+# server's worker) fails that upgrade at once ("database is locked"), without waiting out the busy timeout.
 _SCHEMA = f"""
-BEGIN;
+BEGIN IMMEDIATE;
 CREATE TABLE IF NOT EXISTS files (
     seq INTEGER PRIMARY KEY,  -- insertion order, the list order (created_at ties within a second)
     id TEXT NOT NULL UNIQUE,
