@@ -43,6 +43,11 @@ _SOURCES = (
 # blend where it has no masked instructions, and with AVX2 only every loop calling qb::vec_exp (SiLU, softmax)
 # stayed scalar ("control flow in loop"), while AVX-512 builds vectorized them (tests/test_cpu_kernels.py checks).
 _CODEGEN = "-fno-trapping-math"
+# Vectorized loops as wide as the CPU's registers. GCC's tuning for Intel's AVX-512 cores prefers 256-bit vectors
+# (on the AMX kind here, -march=native tunes for Rocket Lake), so every loop it vectorized (SiLU * up, the norms,
+# the softmax, the conversions) ran in half-width registers while the intrinsics beside them were 512-bit wide:
+# silu_and_mul took 1.86 cycles an output, 1.33 with 512-bit vectors. No effect where the CPU lacks AVX-512.
+_VECTOR_WIDTH = "-mprefer-vector-width=512"
 # -march per build target; "native" is what the engine uses, the others let tests check every code path here
 # ("avx512": AVX-512 without VNNI or BF16, as on Skylake servers; runnable only on an AVX-512 CPU).
 _TARGETS = {
@@ -88,7 +93,7 @@ def build(csrc: Path, target: str = "native"):
 
     # The sources and flags are in the key too: torch rebuilds when a .cpp changes, but not when only a header does.
     sources = b"".join(path.read_bytes() for path in sorted(csrc.iterdir()))
-    flags = ["-O3", "-fopenmp", _CODEGEN, _TARGETS[target]]
+    flags = ["-O3", "-fopenmp", _CODEGEN, _VECTOR_WIDTH, _TARGETS[target]]
     machine = _cpu_flags() if target == "native" else ""
     key = hashlib.sha256(" ".join([machine, *flags]).encode() + sources).hexdigest()[:12]
     name = f"qwenbatch_cpu_kernels_{key}"
