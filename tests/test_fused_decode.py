@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from qwenbatch import LLM, SamplingParams
+from qwenbatch.layers.linear import onednn_available
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79], [50, 28]]
 
@@ -17,9 +19,12 @@ def _run(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
 
 @pytest.mark.parametrize("checkpoint", ["tiny_qwen2", "tiny_qwen3"])  # biases; per-head q/k norms
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_decode_steps_give_the_layers_own_tokens_and_logprobs(request, checkpoint, dtype):
+@pytest.mark.parametrize("quantization", ["int8", "none"])  # int8 linears; oneDNN's packed ones
+def test_fused_decode_steps_give_the_layers_own_tokens_and_logprobs(request, checkpoint, dtype, quantization):
+    if quantization == "none" and not onednn_available(getattr(torch, dtype), torch.device("cpu")):
+        pytest.skip("oneDNN packs bf16 linears only where the CPU multiplies bf16 natively")
     folder = request.getfixturevalue(checkpoint)
-    llm = LLM(model=str(folder), dtype=dtype, quantization="int8", kv_cache_memory=8 * 2**20)
+    llm = LLM(model=str(folder), dtype=dtype, quantization=quantization, cpu_kernels="on", kv_cache_memory=8 * 2**20)
     layers = llm.engine.runner.model.model.layers
     fused = [layer.fused_decode for layer in layers]
     assert all(f is not None for f in fused)
@@ -42,6 +47,6 @@ def test_fused_decode_steps_give_the_layers_own_tokens_and_logprobs(request, che
     assert _run(llm) == with_fused  # bitwise: the same kernels, the same rounding
 
 
-def test_layers_are_fused_only_with_int8(tiny_qwen3):
-    llm = LLM(model=str(tiny_qwen3), dtype="bfloat16", cpu_kernels="on", kv_cache_memory=8 * 2**20)
+def test_layers_are_not_fused_without_the_cpu_kernels(tiny_qwen3):
+    llm = LLM(model=str(tiny_qwen3), dtype="float32", cpu_kernels="off", kv_cache_memory=8 * 2**20)
     assert all(layer.fused_decode is None for layer in llm.engine.runner.model.model.layers)

@@ -3,7 +3,9 @@
 At batch 1 a layer's ~35 PyTorch and Python operations around its kernels (module calls, views, the split of
 qkv, the cache write, the residual adds) cost ~3 ms of a ~20 ms step, about as much as its attention; the C++
 layer sequences the same kernels with the same rounding. Steps with a prompt in them keep the layer's own
-forward. Only layers whose linears are all Int8Linear are fused.
+forward. Layers whose linears are all Int8Linear or oneDNN's PackedLinear are fused: on the AMX kind, where
+oneDNN's bf16 linears are fast, the host's serial share of a bf16 decode step had the second core waiting a
+third of the time.
 """
 
 from __future__ import annotations
@@ -13,19 +15,27 @@ from torch import nn
 from qwenbatch.layers.attention import AttentionMetadata, KernelAttentionMetadata
 from qwenbatch.layers.cpu_kernels import kernels
 from qwenbatch.layers.int8_linear import Int8Linear
+from qwenbatch.layers.linear import PackedLinear
 from qwenbatch.layers.rotary import Rope
 
+FUSABLE_LINEARS = (Int8Linear, PackedLinear)
 
-def _int8_weight(linear: Int8Linear):
-    return kernels().Int8Weight(
-        linear.packed_weight,
-        linear.packed_scales,
-        linear.bias,
-        linear.padded_out,
-        linear.out_features,
-        linear.bits,
-        linear.silu_and_mul,
-    )
+
+def _layer_linear(linear: Int8Linear | PackedLinear):
+    weight = kernels().LayerLinear()
+    if isinstance(linear, Int8Linear):
+        weight.int8 = kernels().Int8Weight(
+            linear.packed_weight,
+            linear.packed_scales,
+            linear.bias,
+            linear.padded_out,
+            linear.out_features,
+            linear.bits,
+            linear.silu_and_mul,
+        )
+    else:
+        weight.onednn_weight, weight.onednn_bias = linear.packed_weight, linear.bias
+    return weight
 
 
 class FusedDecodeLayer:
@@ -39,17 +49,17 @@ class FusedDecodeLayer:
         weights.post_attention_norm = layer.post_attention_layernorm.weight
         if attn.q_norm is not None:
             weights.q_norm, weights.k_norm = attn.q_norm.weight, attn.k_norm.weight
-        weights.qkv, weights.o = _int8_weight(attn.qkv_proj), _int8_weight(attn.o_proj)
-        weights.gate_up, weights.down = _int8_weight(mlp.gate_up_proj), _int8_weight(mlp.down_proj)
+        weights.qkv, weights.o = _layer_linear(attn.qkv_proj), _layer_linear(attn.o_proj)
+        weights.gate_up, weights.down = _layer_linear(mlp.gate_up_proj), _layer_linear(mlp.down_proj)
         weights.heads, weights.kv_heads, weights.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         weights.eps, weights.scale = layer.input_layernorm.eps, attn.scale
         self.weights = weights
-        self._gate_up = mlp.gate_up_proj  # its dense_from_rows (layers/int8_large_m.py), read at each step
+        self._gate_up = mlp.gate_up_proj  # an int8 one's dense_from_rows (layers/int8_large_m.py), read at each step
 
     def accepts(self, meta: AttentionMetadata) -> bool:
         """Decode-only steps of the CPU kernels' attention, of fewer rows than the int8 linears run dense from:
         from there, the layer's own forward multiplies densely."""
-        dense_from = self._gate_up.dense_from_rows
+        dense_from = getattr(self._gate_up, "dense_from_rows", None)
         return (
             isinstance(meta, KernelAttentionMetadata)
             and not meta.prefills
@@ -64,12 +74,12 @@ class FusedDecodeLayer:
 
 
 def fusable(layer: nn.Module) -> bool:
-    """A decoder layer whose four linears are Int8Linear."""
+    """A decoder layer whose four linears are Int8Linear or PackedLinear."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attn is None or mlp is None:
         return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    return all(isinstance(m, Int8Linear) for m in linears)
+    return all(isinstance(m, FUSABLE_LINEARS) for m in linears)
 
 
 def fuse_decode_layers(model: nn.Module) -> int:

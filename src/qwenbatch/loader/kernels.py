@@ -88,14 +88,14 @@ def prepare_kernels(
             large_m = int8_large_m.choose_int8_large_m(int8_large_m.first_mlp_linears(model))
             int8_large_m.apply(model, large_m)
             dense_choice = large_m.describe()
-        if cpu_kernels:
-            from qwenbatch.layers.fused_decode import fuse_decode_layers
-
-            fused = fuse_decode_layers(model)
-            logger.info("%d decoder layers run decode-only steps in one kernel call", fused)
     if onednn_available(dtype, device) and pack_linears(model):  # what int8 left dense, or every linear
         packed = f"onednn-prepacked-{str(dtype).removeprefix('torch.')}"
         linear_kernels = packed if quantization == "none" else f"{linear_kernels}+{packed}"
+    if cpu_kernels:
+        from qwenbatch.layers.fused_decode import fuse_decode_layers
+
+        fused = fuse_decode_layers(model)
+        logger.info("%d decoder layers run decode-only steps in one kernel call", fused)
     if dense_choice is not None:
         linear_kernels = f"{linear_kernels}, {dense_choice}"
     return ModelKernels(linear_kernels, cpu_kernels, prefill_attention=prefill_attention)

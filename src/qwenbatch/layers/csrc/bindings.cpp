@@ -40,8 +40,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, bool>(),
            py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("n"), py::arg("out_features"),
            py::arg("bits"), py::arg("silu_and_mul") = false);
+  py::class_<LayerLinear>(m, "LayerLinear", py::module_local(),
+                          "a decoder layer's linear for decode_layer: int8 or oneDNN-packed weights")
+      .def(py::init<>())
+      .def_readwrite("int8", &LayerLinear::int8)
+      .def_readwrite("onednn_weight", &LayerLinear::onednn_weight)
+      .def_readwrite("onednn_bias", &LayerLinear::onednn_bias);
   py::class_<DecodeLayerWeights>(m, "DecodeLayerWeights", py::module_local(),
-                                 "one decoder layer with int8 linears, for decode_layer")
+                                 "one decoder layer with int8 or oneDNN-packed linears, for decode_layer")
       .def(py::init<>())
       .def_readwrite("input_norm", &DecodeLayerWeights::input_norm)
       .def_readwrite("post_attention_norm", &DecodeLayerWeights::post_attention_norm)

@@ -4,7 +4,22 @@
 // the residual adds round to the storage dtype as PyTorch's do.
 #include "ops.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include <cstring>
+
+torch::Tensor LayerLinear::operator()(const torch::Tensor& x) const {
+  if (int8.has_value()) return (*int8)(x);
+  TORCH_CHECK(onednn_weight.has_value(), "decode_layer: a linear with neither int8 nor oneDNN weights");
+  // Boxed, as torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") is called from Python: no C++ signature
+  // of the operator to keep in step with torch's.
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, *onednn_weight, onednn_bias, std::string("none"),
+                          c10::List<c10::optional<c10::Scalar>>(), std::string("")};
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
 
 namespace {
 
@@ -50,7 +65,7 @@ torch::Tensor decode_layer(const torch::Tensor& x, const DecodeLayerWeights& lay
   torch::Tensor h = layer.o(attn.view({D, q_size}));
   h.add_(x);  // the residual adds: PyTorch's, in place
   const torch::Tensor gate_up = layer.gate_up(rms_norm(h, layer.post_attention_norm, layer.eps));
-  torch::Tensor out = layer.down(layer.gate_up.silu_and_mul ? gate_up : silu_and_mul(gate_up));
+  torch::Tensor out = layer.down(layer.gate_up.silu_and_mul() ? gate_up : silu_and_mul(gate_up));
   out.add_(h);
   return out;
 }

@@ -37,11 +37,22 @@ struct Int8Weight {
   }
 };
 
-// One Qwen2/Qwen3 decoder layer whose linears are int8, for decode_layer.
+// A decoder layer's linear, for decode_layer: int8_linear's packed weights, or a weight that oneDNN reordered into its
+// blocked layout (PackedLinear, layers/linear.py), multiplied by the operator PackedLinear calls.
+struct LayerLinear {
+  c10::optional<Int8Weight> int8;
+  c10::optional<torch::Tensor> onednn_weight, onednn_bias;
+
+  // Whether the output is already SiLU(gate) * up (an int8 gate_up packed for it).
+  bool silu_and_mul() const { return int8.has_value() && int8->silu_and_mul; }
+  torch::Tensor operator()(const torch::Tensor& x) const;
+};
+
+// One Qwen2/Qwen3 decoder layer whose linears are int8 or oneDNN-packed, for decode_layer.
 struct DecodeLayerWeights {
   torch::Tensor input_norm, post_attention_norm;
   c10::optional<torch::Tensor> q_norm, k_norm;  // Qwen3
-  Int8Weight qkv, o, gate_up, down;
+  LayerLinear qkv, o, gate_up, down;
   int64_t heads = 0, kv_heads = 0, head_dim = 0;
   double eps = 1e-6, scale = 1.0;
 };
