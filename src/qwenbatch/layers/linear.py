@@ -10,6 +10,7 @@ the batch size, which ``F.linear`` does not promise.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 
@@ -29,17 +30,42 @@ def onednn_available(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32
 
 
+# Rows of x are cut into pieces of at most PIECE_ROWS where a linear's ``pieces_at`` holds their bucket: the
+# multiple of BUCKET_ROWS nearest the row count (layers/packed_rows.py times which).
+PIECE_ROWS = 384
+BUCKET_ROWS = 256
+
+
+def row_bucket(rows: int) -> int:
+    """The multiple of BUCKET_ROWS nearest ``rows``."""
+    return round(rows / BUCKET_ROWS) * BUCKET_ROWS
+
+
 class PackedLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` held in oneDNN's blocked layout."""
+    """``y = x @ W.T + b`` with ``W`` held in oneDNN's blocked layout. Row counts whose bucket is in ``pieces_at``
+    run as pieces of at most PIECE_ROWS rows, where oneDNN would run the whole on one thread."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.pieces_at: frozenset[int] = frozenset()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pieces_at and x.dim() == 2 and row_bucket(x.shape[0]) in self.pieces_at:
+            return self.pieces_forward(x)
+        return self.whole_forward(x)
+
+    def whole_forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def pieces_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The product on pieces of at most PIECE_ROWS rows of the 2-D ``x``, as even as they come."""
+        rows = x.shape[0]
+        count = -(-rows // PIECE_ROWS)
+        bounds = [rows * i // count for i in range(count + 1)]
+        return torch.cat([self.whole_forward(x[a:b]) for a, b in itertools.pairwise(bounds)])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

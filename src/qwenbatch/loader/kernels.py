@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from qwenbatch.layers import packed_rows
 from qwenbatch.layers.linear import onednn_available, pack_linears
 from qwenbatch.layers.prefill_choice import SDPA_UNTIMED, PrefillAttentionChoice, choose_prefill_attention
 from qwenbatch.loader.hf import CheckpointReader
@@ -44,7 +45,8 @@ def prepare_kernels(
     gather), and bf16 prefill attention in ours or SDPA's flash kernel, whichever is faster here (timed on the
     model's heads); int8 needs them. A bf16 engine's int8 linears run as dense bf16 matmuls from the row count at
     which that was timed faster (layers/int8_large_m.py). Linears that stay dense are
-    prepacked for oneDNN where it has a fast path for ``dtype``. Kernels that fail to build raise RuntimeError
+    prepacked for oneDNN where it has a fast path for ``dtype``; in bf16, the row counts at which oneDNN would run
+    one on a single thread run in pieces (layers/packed_rows.py, timed). Kernels that fail to build raise RuntimeError
     if ``required``, else the PyTorch layers stay (with a warning). With int8 each linear is quantized from its
     weights as ``checkpoint`` holds them, in float32 (the model's copy may be rounded), a slice at a time. With
     ``compile`` only the LM head (run outside the compiled graph) is prepacked: inductor packs the rest itself
@@ -91,6 +93,11 @@ def prepare_kernels(
     if onednn_available(dtype, device) and pack_linears(model):  # what int8 left dense, or every linear
         packed = f"onednn-prepacked-{str(dtype).removeprefix('torch.')}"
         linear_kernels = packed if quantization == "none" else f"{linear_kernels}+{packed}"
+        linears = packed_rows.prefill_linears(model)
+        if dtype == torch.bfloat16 and linears:
+            pieces = packed_rows.choose_row_pieces(linears)
+            packed_rows.apply(linears, pieces)
+            linear_kernels = f"{linear_kernels}, {pieces.describe()}"
     if cpu_kernels:
         from qwenbatch.layers.fused_decode import fuse_decode_layers
 
