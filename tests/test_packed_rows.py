@@ -10,7 +10,7 @@ from torch import nn
 from qwenbatch import LLM, SamplingParams
 from qwenbatch.layers import packed_rows
 from qwenbatch.layers.linear import PIECE_ROWS, PackedLinear, onednn_available, row_bucket
-from qwenbatch.layers.packed_rows import NO_PIECES, RowPiecesChoice, ShapeTiming, choose_row_pieces
+from qwenbatch.layers.packed_rows import RowPiecesChoice, ShapeTiming, choose_row_pieces
 
 BF16_PACKED = onednn_available(torch.bfloat16, torch.device("cpu"))
 
@@ -71,7 +71,7 @@ def test_a_shape_is_split_only_where_its_pieces_were_clearly_faster():
     assert choice.split_rows(896, 9728) == frozenset()
     assert choice.describe().startswith(f"rows in pieces of {PIECE_ROWS}: 896x896 at 768 rows")
     assert "4864x896 at 1024 rows" in choice.describe() and "896x896 at 768, 1024" not in choice.describe()
-    assert NO_PIECES.describe() == "no rows in pieces"
+    assert RowPiecesChoice().describe() == "no rows in pieces"
 
 
 @pytest.mark.skipif(not BF16_PACKED, reason="oneDNN packs bf16 only where the CPU multiplies bf16 natively")

@@ -4,8 +4,8 @@ rows are then cut into pieces it runs on all threads.
 oneDNN chooses how to divide a matmul among the threads by its shape. On 2 threads of the AMX kind it leaves one of
 them idle for some row counts: the default model's qkv at 768-1,152 rows, o at 512-1,280, down at 768-1,280, each at
 half speed, while 256-384 rows of the same linears run on both (benchmarks/onednn_rows.py, BENCHMARKS.md). A
-prompt of ~1,000 tokens alone is a chunk of such rows; its prefill ran 1.12-1.21x faster with those linears cut
-into pieces of at most ``PIECE_ROWS`` rows. Which row counts, shapes and CPUs do it is not something the flags tell,
+prompt of ~1,000 tokens alone is a chunk of such rows; its prefill ran 1.16x faster with those linears cut into
+pieces of at most ``PIECE_ROWS`` rows. Which row counts, shapes and CPUs do it is not something the flags tell,
 so each of the model's linear shapes is timed at a few row counts, whole and in pieces, and the bucket of rows
 around a timed count (``linear.row_bucket``) is split only where the pieces were clearly faster.
 """
@@ -22,8 +22,8 @@ from torch import nn
 from qwenbatch.layers.linear import PIECE_ROWS, PackedLinear
 from qwenbatch.layers.timing import best_times_ms
 
-# Row counts timed, each standing for its bucket (linear.row_bucket); below and above them no shape was seen to run
-# on one thread.
+# Row counts timed, each standing for its bucket (linear.row_bucket). Above them no shape was seen to run on one
+# thread; at 512 rows o did, but its pieces (two calls and a copy) were no faster.
 TIMED_ROWS = (768, 1024, 1280)
 # The pieces must be this much faster to be chosen: a best of 2 on a shared host errs by a few percent, and a
 # linear left on one thread runs ~1.3-2x slower, where the pieces pay for copying their outputs together.
@@ -58,8 +58,8 @@ class RowPiecesChoice:
         )
 
     def describe(self) -> str:
-        """For the log and bench JSON, e.g. "rows in pieces of 384: 896x896 at 512, 768, 1024 rows (timed whole / in
-        pieces: 1.1 / 0.7 ms, ...)", or "no rows in pieces" where every shape ran as fast whole."""
+        """For the log and bench JSON, e.g. "rows in pieces of 384: 4864x896 at 768, 1024 rows (timed whole / in
+        pieces: 5.77 / 3.24 ms, 7.10 / 4.44 ms)", or "no rows in pieces" where every shape ran as fast whole."""
         split = [t for t in self.timings if t.split]
         if not split:
             return "no rows in pieces"
@@ -73,9 +73,6 @@ class RowPiecesChoice:
             for (k, n), ts in shapes.items()
         ]
         return f"rows in pieces of {PIECE_ROWS}: " + "; ".join(parts)
-
-
-NO_PIECES = RowPiecesChoice()
 
 
 def prefill_linears(model: nn.Module) -> list[PackedLinear]:
