@@ -1,9 +1,11 @@
-"""oneDNN's prepacked bf16 linear (layers/linear.py's PackedLinear) at each row count, on all threads and on one, for
-a model's four linear shapes: where the rate on all threads is no better than on one, oneDNN ran the call on a
-single thread. On the AMX kind (2 threads) it does so for some shapes at 512-1,280 rows and runs them at half speed;
-BENCHMARKS.md's table. Never run by CI.
+"""oneDNN's prepacked linear (layers/linear.py's PackedLinear; bf16 by default) at each row count, on all threads
+and on one, for a model's four linear shapes: where the rate on all threads is no better than on one, oneDNN ran
+the call on a single thread. On the AMX kind (2 threads) it does so in bf16 for some shapes at 512-1,280 rows and
+runs them at half speed; in float32 there it did not (BENCHMARKS.md). The engine splits only bf16 linears
+(layers/packed_rows.py); `--dtype float32` shows whether the AVX2 kind's float32 linears would need it too. Never run
+by CI.
 
-    .venv/bin/python benchmarks/onednn_rows.py [--shapes coder|qwen3-0.6b] [--rows 64 256 512 ...] [--repeats 7]
+    .venv/bin/python benchmarks/onednn_rows.py [--shapes coder|qwen3-0.6b] [--dtype float32] [--rows 64 256 ...]
 """
 
 from __future__ import annotations
@@ -27,19 +29,21 @@ def main() -> None:
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="coder")
     parser.add_argument("--rows", type=int, nargs="+", default=ROWS)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     threads = torch.get_num_threads()
     shapes = SHAPES[args.shapes]
     weights = {
-        name: torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, dtype=torch.bfloat16), None)
+        name: torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, dtype=dtype), None)
         for name, (k, n) in shapes.items()
     }
-    print(f"GFLOP/s on {threads} threads (on 1); * where {threads} threads run under 1.25x the rate of one")
+    print(f"{args.dtype} GFLOP/s on {threads} threads (on 1); * where {threads} threads run under 1.25x one's rate")
     print(f"{'rows':>6} " + " ".join(f"{name:>16}" for name in shapes))
     for m in args.rows:
         cells = []
         for name, (k, _) in shapes.items():
-            x = torch.randn(m, k, dtype=torch.bfloat16)
+            x = torch.randn(m, k, dtype=dtype)
 
             def call(x=x, w=weights[name]):
                 return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
