@@ -45,8 +45,30 @@ def test_silu_and_mul_matches_the_layer(dtype):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6) if dtype == torch.float32 else _same_rounding(got, want)
 
 
-# The kernel as built for this CPU ("native") and for AVX2 (another vector width).
-@pytest.mark.parametrize("target", ["native", "avx2"])
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return set(next((line for line in f if line.startswith("flags")), "").split())
+
+
+_HAS_AMX = {"amx_tile", "amx_bf16"} <= _cpu_flags()
+# The decode kernels as built for this CPU ("native": scores on AMX tiles where it has them), for AVX2 (another vector
+# width), and, on an AMX CPU, without AMX (the AVX512-BF16 kinds' scores by vdpbf16ps; elsewhere that is "native").
+DECODE_TARGETS = ["native", "avx2"] + (["no-amx"] if _HAS_AMX else [])
+
+
+@pytest.mark.parametrize("target", DECODE_TARGETS)
+def test_decode_attention_takes_its_scores_with_the_best_unit_the_build_has(target):
+    flags = _cpu_flags()
+    if target == "avx2" or "avx512_bf16" not in flags:
+        want = "float32"
+    elif target == "native" and _HAS_AMX:
+        want = "amx"
+    else:
+        want = "avx512-bf16"
+    assert kernels(target).decode_attention_isa() == want
+
+
+@pytest.mark.parametrize("target", DECODE_TARGETS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (4, 4, 32), (16, 2, 128), (24, 2, 64)])
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -80,7 +102,7 @@ def test_paged_decode_matches_the_gathering_path(monkeypatch, target, dtype, hea
 
 # Query heads a KV head from 1 to 8 (the bf16 kernel's instances, where the CPU has AVX512-BF16) and 12 (its float32
 # kernel's); blocks of 8 positions make every 16-position step of the bf16 kernel a partial one.
-@pytest.mark.parametrize("target", ["native", "avx2"])
+@pytest.mark.parametrize("target", DECODE_TARGETS)
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block"),
     [(14, 2, 64, 16), (16, 2, 128, 16), (4, 4, 32, 16), (10, 2, 64, 8), (4, 2, 128, 32), (24, 2, 64, 16)],

@@ -49,9 +49,11 @@ _CODEGEN = "-fno-trapping-math"
 # silu_and_mul took 1.86 cycles an output, 1.33 with 512-bit vectors. No effect where the CPU lacks AVX-512.
 _VECTOR_WIDTH = "-mprefer-vector-width=512"
 # -march per build target; "native" is what the engine uses, the others let tests check every code path here
-# ("avx512": AVX-512 without VNNI or BF16, as on Skylake servers; runnable only on an AVX-512 CPU).
+# ("avx512": AVX-512 without VNNI or BF16, as on Skylake servers; runnable only on an AVX-512 CPU; "no-amx": this
+# CPU without its AMX tiles, the AVX512-BF16 kinds' code where both run).
 _TARGETS = {
     "native": "-march=native",
+    "no-amx": "-march=native -mno-amx-tile -mno-amx-bf16 -mno-amx-int8",
     "avx2": "-march=x86-64-v3",
     "portable": "-march=x86-64-v2",
     "avx512": "-march=skylake-avx512",
@@ -82,7 +84,8 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
 @functools.cache
 def kernels(target: str = "native"):
     """The compiled module. ``native`` builds for this CPU (the int8 linear's VNNI kernel where the CPU
-    has AVX-512 VNNI, else its AVX2 one, else plain loops); ``avx2``, ``portable`` and ``avx512`` force others."""
+    has AVX-512 VNNI, else its AVX2 one, else plain loops; the decode attention's scores on AMX tiles where it has
+    them); ``avx2``, ``portable``, ``avx512`` and ``no-amx`` force others."""
     return build(_CSRC, target)
 
 
@@ -93,8 +96,8 @@ def build(csrc: Path, target: str = "native"):
 
     # The sources and flags are in the key too: torch rebuilds when a .cpp changes, but not when only a header does.
     sources = b"".join(path.read_bytes() for path in sorted(csrc.iterdir()))
-    flags = ["-O3", "-fopenmp", _CODEGEN, _VECTOR_WIDTH, _TARGETS[target]]
-    machine = _cpu_flags() if target == "native" else ""
+    flags = ["-O3", "-fopenmp", _CODEGEN, _VECTOR_WIDTH, *_TARGETS[target].split()]
+    machine = _cpu_flags() if "native" in _TARGETS[target] else ""
     key = hashlib.sha256(" ".join([machine, *flags]).encode() + sources).hexdigest()[:12]
     name = f"qwenbatch_cpu_kernels_{key}"
     build_dir = Path(get_default_build_root()) / name
@@ -112,7 +115,11 @@ def build(csrc: Path, target: str = "native"):
     except (RuntimeError, OSError, ImportError) as e:
         raise RuntimeError(f"qwenbatch's CPU kernels need a C++ compiler to build (g++): {e}") from e
     logger.info(
-        "CPU kernels (%s, int8 linear: %s) ready in %.1f s", target, module.isa(), time.perf_counter() - started
+        "CPU kernels (%s, int8 linear: %s, decode attention: %s) ready in %.1f s",
+        target,
+        module.isa(),
+        module.decode_attention_isa(),
+        time.perf_counter() - started,
     )
     return module
 

@@ -30,6 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "SiLU(x[..., :n]) * x[..., n:]");
   m.def("rotary", &rotary, "neox-layout RoPE of [T, heads, head_dim] rows into a new tensor");
   m.def("paged_decode_attention", &paged_decode_attention, "one query per sequence against its paged K/V", no_gil);
+  m.def("decode_attention_isa", &decode_attention_isa, "what the bf16 decode attention takes its scores with");
   m.def("prefill_attention_available", &prefill_attention_available,
         "whether prefill_attention was built (it needs AVX512-BF16)");
   m.def("prefill_attention", &prefill_attention,

@@ -18,6 +18,8 @@ torch::Tensor silu_and_mul(const torch::Tensor& x);
 torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& lens, double scale);
+// The bf16 decode kernel's scores: "amx" (tiles), "avx512-bf16" (vdpbf16ps), or "float32" (only the float32 kernel).
+std::string decode_attention_isa();
 bool prefill_attention_available();
 torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale);
 std::tuple<torch::Tensor, torch::Tensor> greedy_tokens(const torch::Tensor& logits);
