@@ -207,6 +207,9 @@ def test_an_engine_on_the_cpu_kernels_decodes_as_the_pytorch_path(tiny_qwen2):
     assert isinstance(fused.engine.runner.model.model.norm, KernelRMSNorm)
     assert not isinstance(plain.engine.runner.model.model.norm, KernelRMSNorm)
     assert isinstance(fused.engine.runner._build_metadata(StepLayout(16), torch.device("cpu")), KernelAttentionMetadata)
+    # what the log, bench JSON and GET /config say decodes
+    assert fused.engine.runner.decode_attention == f"cpu-kernels ({kernels().decode_attention_isa()})"
+    assert plain.engine.runner.decode_attention == "torch"
     # float32: only the order of the kernels' float32 sums differs, so greedy tokens (decode attention read
     # through the block tables in place, across several blocks) are the PyTorch path's.
     prompts = [[5, 9, 14, 3, 7], list(range(20, 57)), [8, 30, 6, 17, 2, 11, 4]]

@@ -600,10 +600,11 @@ def test_get_config_reports_the_engine_settings(guarded, tiny_qwen3):
         # What this machine chose at load, as the log says it.
         "linear_kernels": guarded.engine.runner.linear_kernels,
         "prefill_attention": guarded.engine.runner.prefill_attention,
+        "decode_attention": guarded.engine.runner.decode_attention,
     }
     assert {k: config.get(k) for k in expected} == expected
     assert config["num_kv_blocks"] > 0
-    assert config["linear_kernels"] and config["prefill_attention"]
+    assert config["linear_kernels"] and config["prefill_attention"] and config["decode_attention"]
 
 
 LIMITS = ("max_num_seqs", "max_num_batched_tokens")

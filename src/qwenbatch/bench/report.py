@@ -109,6 +109,7 @@ def format_report(report: dict) -> str:
     if "ratio_output_tps_llama_cpp" in report:
         lines.append(f"ratio output tok/s (ours / llama.cpp): {report['ratio_output_tps_llama_cpp']:.2f}")
     attention = f"; prefill attention: {ours['prefill_attention']}" if "prefill_attention" in ours else ""
+    attention += f"; decode attention: {ours['decode_attention']}" if "decode_attention" in ours else ""
     lines.append(f"linears: {ours['linear_kernels']}{attention} on {ours['device']}")
     if priced:
         lines.append(

@@ -85,6 +85,7 @@ def run_ours(config: EngineConfig, requests: list[BenchRequest], llm=None) -> tu
         "device": llm.engine.device.type,
         "linear_kernels": llm.engine.runner.linear_kernels,
         "prefill_attention": llm.engine.runner.prefill_attention,
+        "decode_attention": llm.engine.runner.decode_attention,
     }
     if on_gpu:
         extra.update(gpu_memory_report(gpu, llm.engine, peak_kv))

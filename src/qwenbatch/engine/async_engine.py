@@ -48,6 +48,7 @@ class EngineSnapshot:
     # The kernels chosen at load for this machine, timings included (as in the log and bench JSON).
     linear_kernels: str
     prefill_attention: str
+    decode_attention: str
 
     def as_dict(self) -> dict:
         values = dataclasses.asdict(self.config)
@@ -58,6 +59,7 @@ class EngineSnapshot:
             num_kv_tokens=self.num_kv_blocks * self.block_size,
             linear_kernels=self.linear_kernels,
             prefill_attention=self.prefill_attention,
+            decode_attention=self.decode_attention,
         )
         return values
 
@@ -327,6 +329,7 @@ class AsyncEngine:
             engine.block_manager.block_size,
             engine.runner.linear_kernels,
             engine.runner.prefill_attention,
+            engine.runner.decode_attention,
         )
 
     def _publish_stats(self) -> None:

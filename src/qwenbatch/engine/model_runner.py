@@ -22,6 +22,7 @@ from qwenbatch.layers.attention import (
     TorchAttentionMetadata,
 )
 from qwenbatch.layers.cpu_kernels import greedy_tokens
+from qwenbatch.layers.cpu_kernels import kernels as cpu_kernel_module
 from qwenbatch.layers.opaque_attention import step_attention
 from qwenbatch.layers.prefill_choice import OURS, SDPA
 from qwenbatch.layers.sampler import SamplingRow, sample
@@ -97,7 +98,8 @@ class ModelRunner:
         self._greedy_kernel = greedy_tokens if kernels.cpu_kernels else None
         # --compile: one graph per step shape class, symbolic in the token count; weights frozen into it.
         self._compiled = torch.compile(model, dynamic=True, options={"freezing": True}) if kernels.compiled else None
-        # Which kernel runs prefill attention, recorded in the log and in bench JSON.
+        # Which kernels run prefill and decode attention, recorded in the log and in bench JSON.
+        self.decode_attention = attention_backend
         if attention_backend == "triton":
             from qwenbatch.layers.triton_backend import TritonAttentionMetadata
 
@@ -109,13 +111,14 @@ class ModelRunner:
             own_prefill = kernels.prefill_attention.kernel == OURS
             self._build_metadata = partial(KernelAttentionMetadata.build, own_prefill=own_prefill)
             self.prefill_attention = kernels.prefill_attention.describe()
+            self.decode_attention = f"cpu-kernels ({cpu_kernel_module().decode_attention_isa()})"
         else:
             self._build_metadata = TorchAttentionMetadata.build
             self.prefill_attention = SDPA
         logger.info(
-            "attention: %s backend%s, prefill %s, on %s; linears: %s",
+            "attention: %s backend, decode %s, prefill %s, on %s; linears: %s",
             attention_backend,
-            " (decode in the CPU kernels)" if kernels.cpu_kernels and attention_backend != "triton" else "",
+            self.decode_attention,
             self.prefill_attention,
             device,
             self.linear_kernels,
