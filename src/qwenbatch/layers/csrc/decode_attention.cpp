@@ -281,7 +281,7 @@ class Bf16Worker {
 #ifdef QB_DECODE_AMX
     amx_ = amx_permitted();
     if (amx_) {
-      const TileConfig config;
+      static const TileConfig config;  // static: built at compile time (GCC 12 dropped stores to a stack copy)
       _tile_loadconfig(&config);
     }
 #endif

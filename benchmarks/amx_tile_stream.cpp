@@ -1,0 +1,164 @@
+// What bounds a bf16 linear on AMX tiles at a decode step's rows: how fast 2 threads stream weights from memory
+// with plain vector loads, with tile loads feeding a fixed number of tile products, and as an M-row linear
+// (x read in place, weights in 1 KB B tiles). BENCHMARKS.md, "Decode attention on AMX tiles" has the figures.
+// Never run by CI.
+//
+//   g++ -O2 -march=native -fopenmp benchmarks/amx_tile_stream.cpp -o /tmp/amx_tile_stream
+//   OMP_NUM_THREADS=2 /tmp/amx_tile_stream stream|tiles2|tiles4 [prefetch bytes ahead]
+//   OMP_NUM_THREADS=2 /tmp/amx_tile_stream linear ROWS [prefetch bytes ahead]
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void prefetch_tile(const char* at, const char* end) {
+  if (at < end)
+    for (int line = 0; line < 16; ++line) _mm_prefetch(at + 64 * line, _MM_HINT_T1);
+}
+
+// 1 GiB read once by 2 threads: plain loads, or 1 KB tiles each feeding `products` tile products (2 or 4, their A
+// tiles reloaded from L1 as a 64-row linear reloads its rows).
+double stream_gbs(const char* buf, size_t bytes, int products, int ahead) {
+  const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel
+  {
+    const size_t per = bytes / omp_get_num_threads();
+    const char *p = buf + omp_get_thread_num() * per, *end = p + per;
+    alignas(64) uint16_t a[2][512] = {};
+    if (products == 0) {
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (const char* q = p; q < end; q += 256)
+        for (int i = 0; i < 4; ++i) acc[i] = _mm512_add_ps(acc[i], _mm512_load_ps(q + 64 * i));
+      const __m512 total = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+      volatile float sink = _mm512_reduce_add_ps(total);
+      (void)sink;
+    } else {
+      static const TileConfig config;  // static: built at compile time (GCC 12 dropped stores to a stack copy)
+      _tile_loadconfig(&config);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (const char* q = p; q < end; q += 1024) {
+        if (ahead) prefetch_tile(q + ahead, end);
+        _tile_loadd(6, q, 64);
+        _tile_loadd(4, a[0], 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(5, a[1], 64);
+        _tile_dpbf16ps(1, 5, 6);
+        if (products == 4) {
+          _tile_loadd(4, a[0], 64);
+          _tile_dpbf16ps(2, 4, 6);
+          _tile_loadd(5, a[1], 64);
+          _tile_dpbf16ps(3, 5, 6);
+        }
+      }
+      _tile_release();
+    }
+  }
+  return bytes / seconds_since(t0) / 1e9;
+}
+
+// y[M, N] = x[M, K] . W^T for M <= 64: each thread a run of 16-column blocks, each block's K/32 B tiles streamed
+// once against the M/16 row tiles of x, loaded in place (rows K * 2 bytes apart).
+void linear(const uint16_t* x, const uint16_t* tiles, float* y, int M, int N, int K, int ahead) {
+#pragma omp parallel
+  {
+    static const TileConfig config;  // static: built at compile time (GCC 12 dropped stores to a stack copy)
+    _tile_loadconfig(&config);
+    const int blocks = N / 16, steps = K / 32, t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const char* end = reinterpret_cast<const char*>(tiles + static_cast<size_t>(blocks * (t + 1) / nt) * steps * 512);
+    for (int j = blocks * t / nt; j < blocks * (t + 1) / nt; ++j) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int s = 0; s < steps; ++s) {
+        const uint16_t* b = tiles + (static_cast<size_t>(j) * steps + s) * 512;
+        if (ahead) prefetch_tile(reinterpret_cast<const char*>(b) + ahead, end);
+        _tile_loadd(6, b, 64);
+        const uint16_t* a = x + s * 32;
+        _tile_loadd(4, a, K * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        if (M > 16) {
+          _tile_loadd(5, a + 16 * K, K * 2);
+          _tile_dpbf16ps(1, 5, 6);
+        }
+        if (M > 32) {
+          _tile_loadd(4, a + 32 * K, K * 2);
+          _tile_dpbf16ps(2, 4, 6);
+        }
+        if (M > 48) {
+          _tile_loadd(5, a + 48 * K, K * 2);
+          _tile_dpbf16ps(3, 5, 6);
+        }
+      }
+      float* out = y + static_cast<size_t>(j) * 16;
+      _tile_stored(0, out, N * 4);
+      if (M > 16) _tile_stored(1, out + 16 * N, N * 4);
+      if (M > 32) _tile_stored(2, out + 32 * N, N * 4);
+      if (M > 48) _tile_stored(3, out + 48 * N, N * 4);
+    }
+    _tile_release();
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) {
+    std::fprintf(stderr, "usage: %s stream|tiles2|tiles4|linear [ROWS] [ahead]; needs AMX\n", argv[0]);
+    return 1;
+  }
+  const std::string mode = argv[1];
+  if (mode != "linear") {
+    const int ahead = argc > 2 ? std::atoi(argv[2]) : 0, products = mode == "stream" ? 0 : mode == "tiles2" ? 2 : 4;
+    const size_t bytes = size_t{1} << 30;
+    char* buf = static_cast<char*>(std::aligned_alloc(4096, bytes));
+    std::memset(buf, 1, bytes);
+    double best = 0;
+    for (int rep = 0; rep < 4; ++rep) best = std::max(best, stream_gbs(buf, bytes, products, ahead));
+    std::printf("%s, prefetch %d B ahead: %.1f GB/s\n", mode.c_str(), ahead, best);
+    return 0;
+  }
+  const int M = argc > 2 ? std::atoi(argv[2]) : 64, ahead = argc > 3 ? std::atoi(argv[3]) : 0;
+  const int shapes[4][2] = {{896, 1152}, {896, 896}, {896, 9728}, {4864, 896}};  // the default model's (K, N)
+  const char* names[4] = {"qkv", "o", "gate_up", "down"};
+  for (int i = 0; i < 4; ++i) {
+    const int K = shapes[i][0], N = shapes[i][1];
+    const size_t weights = static_cast<size_t>(N) * K;
+    const int copies = static_cast<int>(std::max<size_t>(2, 400'000'000 / (weights * 2)));  // past the L3
+    std::vector<std::vector<uint16_t>> tiles(copies, std::vector<uint16_t>(weights, 0x3c00));
+    std::vector<uint16_t> x(static_cast<size_t>(64) * K, 0x3c00);
+    std::vector<float> y(static_cast<size_t>(64) * N);
+    double best = 1e9;
+    for (int rep = 0; rep < 5; ++rep) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (const auto& w : tiles) linear(x.data(), w.data(), y.data(), M, N, K, ahead);
+      best = std::min(best, seconds_since(t0) / copies);
+    }
+    std::printf("%d rows, %s: %.3f ms, %.1f GB/s of weights\n", M, names[i], best * 1e3, weights * 2 / best / 1e9);
+  }
+  return 0;
+}
