@@ -50,3 +50,27 @@ def test_fused_decode_steps_give_the_layers_own_tokens_and_logprobs(request, che
 def test_layers_are_not_fused_without_the_cpu_kernels(tiny_qwen3):
     llm = LLM(model=str(tiny_qwen3), dtype="float32", cpu_kernels="off", kv_cache_memory=8 * 2**20)
     assert all(layer.fused_decode is None for layer in llm.engine.runner.model.model.layers)
+
+
+def test_decode_steps_of_a_row_count_run_in_pieces_keep_the_layers_own_forward(tiny_qwen3):
+    """The fused layer calls oneDNN on all its rows at once; where the load-time timing chose pieces for a row
+    bucket (oneDNN ran it on one thread, layers/packed_rows.py), steps of that many decode rows take the layer's
+    forward, which runs them in pieces."""
+    from qwenbatch.layers.attention import KernelAttentionMetadata, StepLayout
+    from qwenbatch.layers.linear import PackedLinear
+
+    llm = LLM(model=str(tiny_qwen3), dtype="float32", cpu_kernels="on", kv_cache_memory=8 * 2**20)
+    layer = llm.engine.runner.model.model.layers[0]
+
+    def decode_step(rows: int) -> KernelAttentionMetadata:
+        layout = StepLayout(16)
+        for _ in range(rows):
+            layout.add_decode(1, [0], 5)
+        return KernelAttentionMetadata.build(layout, torch.device("cpu"))
+
+    assert layer.fused_decode.accepts(decode_step(700)) and layer.fused_decode.accepts(decode_step(900))
+    down = layer.mlp.down_proj
+    assert isinstance(down, PackedLinear)
+    down.pieces_at = frozenset({768})
+    assert not layer.fused_decode.accepts(decode_step(700))  # bucket 768
+    assert layer.fused_decode.accepts(decode_step(900))  # bucket 1,024

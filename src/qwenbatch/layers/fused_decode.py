@@ -15,7 +15,7 @@ from torch import nn
 from qwenbatch.layers.attention import AttentionMetadata, KernelAttentionMetadata
 from qwenbatch.layers.cpu_kernels import kernels
 from qwenbatch.layers.int8_linear import Int8Linear
-from qwenbatch.layers.linear import PackedLinear
+from qwenbatch.layers.linear import PackedLinear, row_bucket
 from qwenbatch.layers.rotary import Rope
 
 FUSABLE_LINEARS = (Int8Linear, PackedLinear)
@@ -55,17 +55,20 @@ class FusedDecodeLayer:
         weights.eps, weights.scale = layer.input_layernorm.eps, attn.scale
         self.weights = weights
         self._gate_up = mlp.gate_up_proj  # an int8 one's dense_from_rows (layers/int8_large_m.py), read at each step
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        self._packed = [m for m in linears if isinstance(m, PackedLinear)]  # their pieces_at, read at each step
 
     def accepts(self, meta: AttentionMetadata) -> bool:
-        """Decode-only steps of the CPU kernels' attention, of fewer rows than the int8 linears run dense from:
-        from there, the layer's own forward multiplies densely."""
+        """Decode-only steps of the CPU kernels' attention, of fewer rows than the int8 linears run dense from and
+        of a row count that no packed linear runs in pieces (oneDNN would run it on one thread, layers/
+        packed_rows.py; the kernel calls oneDNN whole): for those, the layer's own forward."""
+        if not isinstance(meta, KernelAttentionMetadata) or meta.prefills or meta.num_decodes == 0:
+            return False
         dense_from = getattr(self._gate_up, "dense_from_rows", None)
-        return (
-            isinstance(meta, KernelAttentionMetadata)
-            and not meta.prefills
-            and meta.num_decodes > 0
-            and (dense_from is None or meta.num_decodes < dense_from)
-        )
+        if dense_from is not None and meta.num_decodes >= dense_from:
+            return False
+        bucket = row_bucket(meta.num_decodes)
+        return not any(bucket in m.pieces_at for m in self._packed)
 
     def __call__(self, x, rope: Rope, kv_cache, meta: KernelAttentionMetadata):
         return kernels().decode_layer(
