@@ -8,6 +8,7 @@
 // every 16 positions, and took each block's K and V into L1 together. Where the CPU has AMX, the bf16 kernel takes
 // its scores on tiles: 1.17-1.26x the vdpbf16ps scores from memory, 1.3-1.5x from cache (the AMX kind).
 #include "float_math.h"
+#include "index_math.h"
 #include "ops.h"
 #include "prefetch.h"
 
@@ -45,8 +46,8 @@ constexpr int64_t kBlocksAhead = 2;
 // (shorter contexts in the same call get shorter runs, or empty ones).
 constexpr int64_t kMinSplitPositions = 256;
 
-inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+using qb::ceil_div;
+using qb::round_up;
 
 // How many runs each sequence's context is cut into: 1 wherever the pairs alone give every thread a task, else
 // about two tasks a thread, as far as the longest context has runs of kMinSplitPositions.

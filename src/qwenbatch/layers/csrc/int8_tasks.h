@@ -7,6 +7,7 @@
 // claims; then rows, whose blocks each read (and, in 5 bits, widen) the run's weights again.
 #pragma once
 
+#include "index_math.h"
 #include "int8_layout.h"
 
 #include <algorithm>
@@ -36,8 +37,6 @@ constexpr int64_t kMinBlockRows = 16;
 // Multiply-adds of a task, at the least, for a cut to be worth a thread's wake-up (a few microseconds): a 64-wide
 // layer's one-row call (2 us) took 2.2x as long cut in four (benchmarks/split_work_ab.py, Zen 5).
 constexpr int64_t kMinTaskMacs = int64_t{1} << 16;
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // The tasks of an M-row call with K inputs on `tiles` tiles with `threads` threads. Decode steps (at most 8 rows)
 // may go down to one tile a task; more rows keep two, the least the AVX-512 kernel's widest tile block takes. One
