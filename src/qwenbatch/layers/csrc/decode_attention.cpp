@@ -407,7 +407,7 @@ class Bf16Worker {
 
   // Asks for a chunk's V rows of this head into L2 as its scores are taken, a span before P . V reads them, so that V
   // streams in under the scores' arithmetic rather than behind P . V's own prefetches into L1: 1.13-1.29x from
-  // memory at 1 x 450 to 64 x 1,024, the same from cache (decode_attention_micro.py --base, AMX kind). K asked into
+  // memory at 1 x 450 to 64 x 1,024, no change from cache (decode_attention_micro.py --base, AMX kind). K asked into
   // L2 as well, 4 to 16 chunks ahead, added nothing; both heads' rows (the whole 4 KB block) lost 5-15%.
   void prefetch_values_l2(const Chunk& chunk) const {
     const char* v = reinterpret_cast<const char*>(pr_.v_cache + chunk.offset);
