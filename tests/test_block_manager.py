@@ -30,8 +30,8 @@ def test_allocation_hands_out_blocks_in_order_and_free_returns_them():
     assert bm.num_free_blocks == 3
     bm.free(a)
     assert bm.num_free_blocks == 6
-    # Freed tail-first, queued after the never-used blocks 5, 6, 7.
-    assert list(bm.free_queue) == [5, 6, 7, 2, 1, 0]
+    # Nothing can be hit, so the freed blocks are handed out again before the never-used 5, 6, 7.
+    assert list(bm.free_queue) == [2, 1, 0, 5, 6, 7]
 
 
 def test_growing_a_sequence_adds_a_block_only_at_a_boundary():
@@ -133,6 +133,25 @@ def test_a_shared_prefix_block_is_queued_only_when_its_last_holder_frees_it():
     c = make_seq(2, [*prefix, 70])
     assert admit(bm, c) == 8
     assert c.block_table == [0, 1, 3]
+
+
+def test_a_scored_pairs_own_blocks_are_reused_first_and_its_shared_prefix_stays_cached():
+    bm = BlockManager(num_blocks=10, block_size=BS)
+    prefix = list(range(8))  # blocks 0 and 1, taken by the second pair
+    a, b = make_seq(0, [*prefix, *range(50, 59)]), make_seq(1, [*prefix, *range(60, 69)])
+    a.score_only = b.score_only = True
+    admit(bm, a)
+    admit(bm, b)
+    assert (a.block_table, b.block_table) == ([0, 1, 2, 3, 4], [0, 1, 5, 6, 7])
+    bm.free(a)
+    bm.free(b)
+    # Each pair's own blocks, the last freed first, before the never-used 8 and 9; the prefix at the back.
+    assert list(bm.free_queue) == [7, 6, 5, 4, 3, 2, 8, 9, 1, 0]
+    assert bm.num_cached_tokens(make_seq(2, [*prefix, *range(60, 69)])) == 16  # still hits until reused
+    c = make_seq(3, [*prefix, *range(70, 79)])
+    c.score_only = True
+    assert admit(bm, c) == 8
+    assert c.block_table == [0, 1, 7, 6, 5]
 
 
 def test_a_full_block_whose_hash_another_block_holds_is_reused_first(monkeypatch):

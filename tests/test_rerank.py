@@ -244,6 +244,33 @@ def test_a_cached_prefix_gives_the_same_scores(tiny_reranker, pairs40, alone):
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
+def test_scoring_hands_its_own_blocks_out_again_before_fresh_ones(tiny_reranker, pairs40, alone, caching):
+    """Each block first handed out costs the kernel a page fault and zeroing, so a scoring job reuses its pairs'
+    document blocks and touches about a step's worth of the pool, not every pair's; the shared prefixes still hit."""
+    llm = reranker(tiny_reranker, max_num_batched_tokens=256, enable_prefix_caching=caching)
+    bm = llm.engine.block_manager
+    handed_out: set[int] = set()
+    most_in_use = 0
+    allocate = bm.allocate
+
+    def recording(seq, num_tokens):
+        nonlocal most_in_use
+        allocate(seq, num_tokens)
+        handed_out.update(seq.block_table)
+        most_in_use = max(most_in_use, bm.num_blocks - bm.num_free_blocks)
+
+    bm.allocate = recording
+    assert_close(llm.score(pairs40, SHORT, use_tqdm=False), alone, SAME_TOL)
+    formatter = llm.engine.inputs.rerank_formatter
+    needed = sum(-(-len(formatter.build(q, d, SHORT).token_ids) // bm.block_size) for q, d in pairs40)
+    assert bm.num_blocks > needed > 4 * most_in_use  # room in the pool for every pair's blocks at once
+    # Beyond the blocks of the busiest moment, only the queries' cached prefixes may have used more.
+    assert len(handed_out) <= most_in_use + len(QUERIES), (len(handed_out), most_in_use)
+    assert (bm.prefix_cache_hits > 0) == caching
+    assert_all_blocks_free(llm)
+
+
 def test_prefix_caching_off_gives_the_same_scores(tiny_reranker, pairs40, alone):
     llm = reranker(tiny_reranker, enable_prefix_caching=False)
     assert_close(llm.score(pairs40, SHORT, use_tqdm=False), alone, SAME_TOL)

@@ -9,9 +9,14 @@ Freed blocks keep their hash and contents: a later request with the same prefix 
 - a freed block no lookup can find goes to the front, to be reused before any cached block: a
   partial tail (vLLM: a block without a hash), or a full block whose hash another block already
   holds (here ``cached`` maps a hash to one block, so such a duplicate can never be hit);
+- a scored pair's blocks that no other sequence took go to the front too, still cached: a (query,
+  document) pair is scored once, so its document's blocks would only hold fresh memory back from
+  reuse, and every block first handed out costs the kernel a page fault and zeroing (~2 MB a block of
+  a 0.6B reranker's K/V: up to half of a short scoring job here, BENCHMARKS.md); the query's prefix,
+  taken by the query's other pairs, stays cached;
 - a freed cached block goes to the back (least recently freed is evicted first).
 
-With prefix caching off every freed block goes to the back, tail first.
+With prefix caching off no block can be hit, so every freed block goes to the front.
 A hit is verified against the stored token ids, so a hash collision can never serve wrong K/V.
 """
 
@@ -29,6 +34,7 @@ class Block:
     ref_count: int = 0
     block_hash: int | None = None  # set once the block is full and registered for reuse
     token_ids: tuple[int, ...] = ()  # the tokens behind block_hash, to verify hits
+    taken: bool = False  # a prefix-cache hit gave it to another sequence since it was handed out
 
 
 def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
@@ -95,6 +101,7 @@ class BlockManager:
             if block.ref_count == 0:
                 del self.free_queue[block.block_id]
             block.ref_count += 1
+            block.taken = True
             seq.block_table.append(block.block_id)
         seq.num_computed_tokens = num_cached
         return num_cached
@@ -125,7 +132,7 @@ class BlockManager:
                 if self.cached.get(block.block_hash) == block_id:
                     del self.cached[block.block_hash]
                 block.block_hash, block.token_ids = None, ()
-            block.ref_count = 1
+            block.ref_count, block.taken = 1, False
             seq.block_table.append(block_id)
         if self.enable_prefix_caching:
             self._register_full_blocks(seq, num_tokens)
@@ -143,8 +150,9 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks in the free queue's order (module docstring): tail blocks first;
-        blocks that cannot be hit to the front, in that order; cached blocks to the back."""
-        uncached: list[int] = []
+        blocks that cannot be hit, and a scored pair's blocks no one else took, to the front, in that
+        order; cached blocks to the back."""
+        uncached: list[int] = []  # to the front
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -152,7 +160,8 @@ class BlockManager:
                 continue
             self.free_queue[block_id] = None
             hittable = block.block_hash is not None and self.cached.get(block.block_hash) == block_id
-            if self.enable_prefix_caching and not hittable:
+            one_shot = seq.score_only and not block.taken
+            if not hittable or one_shot:
                 uncached.append(block_id)
         for block_id in reversed(uncached):
             self.free_queue.move_to_end(block_id, last=False)
