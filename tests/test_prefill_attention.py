@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from qwenbatch.layers.attention import KernelAttentionMetadata, StepLayout, TorchAttentionMetadata
-from qwenbatch.layers.cpu_kernels import kernels
+from qwenbatch.layers.cpu_kernels import _cpu_flags, kernels
+
+_HAS_AMX = {"amx_tile", "amx_bf16"} <= set(_cpu_flags().split())
+# As built for this CPU (both products on AMX tiles where it has them) and, on an AMX CPU, without AMX: the
+# AVX512-BF16 kinds' vdpbf16ps products.
+TARGETS = ["native"] + (["no-amx"] if _HAS_AMX else [])
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +48,8 @@ def _float32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
         (1, 257, 14, 2, 64),  # a one-token chunk after a prefix
     ],
 )
-def test_prefill_attention_is_within_a_rounding_step_of_float32(q_len, k_len, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("target", TARGETS)
+def test_prefill_attention_is_within_a_rounding_step_of_float32(target, q_len, k_len, heads, kv_heads, head_dim):
     """Products of bf16 values are exact in float32 and the weights are rounded to bf16 for P.V (as FlashAttention
     does on GPUs), so no output element is far from float32 attention: within 1.5 bfloat16 steps at its row's
     largest output (the weights' rounding errs in absolute terms; measured: at most 0.96 steps)."""
@@ -52,10 +58,15 @@ def test_prefill_attention_is_within_a_rounding_step_of_float32(q_len, k_len, he
     k = torch.randn(k_len, kv_heads, head_dim, dtype=torch.bfloat16)
     v = torch.randn(k_len, kv_heads, head_dim, dtype=torch.bfloat16)
     scale = head_dim**-0.5
-    got = kernels().prefill_attention(q, k, v, scale).float()
+    got = kernels(target).prefill_attention(q, k, v, scale).float()
     want = _float32_attention(q, k, v, scale)
     step = 2.0 ** (torch.floor(torch.log2(want.abs().amax(-1, keepdim=True))) - 7)
     assert bool(((got - want).abs() <= 1.5 * step).all()), float(((got - want).abs() / step).max())
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_kernel_takes_its_products_with_the_best_unit_the_build_has(target):
+    assert kernels(target).prefill_attention_isa() == ("amx" if target == "native" and _HAS_AMX else "avx512-bf16")
 
 
 def test_strided_rows_as_the_model_passes_them():

@@ -50,7 +50,9 @@ def test_the_kernel_timed_faster_is_chosen(monkeypatch, slower):
     assert choice.kernel == faster
     slow_ms, fast_ms = (choice.ours_ms, choice.sdpa_ms) if slower == OURS else (choice.sdpa_ms, choice.ours_ms)
     assert slow_ms >= 20 > fast_ms  # best of the runs, each in milliseconds
-    assert choice.describe().startswith(f"{faster} (timed on 64 tokens: ")
+    ours = f"{OURS} ({kernels().prefill_attention_isa()})"  # the unit our kernel takes its products with
+    described = choice.describe()
+    assert described.startswith(f"{ours if faster == OURS else SDPA} (timed on 64 tokens: {ours} ")
 
 
 def test_where_our_kernel_cannot_run_sdpa_runs_untimed():
@@ -70,7 +72,8 @@ def test_an_engine_prefills_in_the_kernel_it_chose(tiny_qwen3, monkeypatch, kern
     slow_down(monkeypatch, slower)
     fused = LLM(**common, cpu_kernels="on")
     chosen = SDPA if slower == OURS else OURS
-    assert fused.engine.runner.prefill_attention.startswith(f"{chosen} (timed on ")
+    named = SDPA if chosen == SDPA else f"{OURS} ({kernels().prefill_attention_isa()})"
+    assert fused.engine.runner.prefill_attention.startswith(f"{named} (timed on ")
     assert plain.engine.runner.prefill_attention == SDPA
     kernel_calls.clear()  # the timing's calls
     prompts = [[5, 9, 14, 3, 7], list(range(20, 90)), [8, 30, 6, 17, 2, 11, 4]]

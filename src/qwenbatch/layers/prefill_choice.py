@@ -1,9 +1,9 @@
 """Which kernel runs bf16 prefill attention on this CPU, chosen at load by timing both on the model's head shape.
 
-The CPU's flags cannot settle it. Our kernel (csrc/prefill_attention.cpp, AVX512-BF16 register tiles) ran 4-6x
-SDPA's CPU flash kernel on AMD's AVX512-BF16 CPUs (benchmarks/prefill_attention_micro.py). SDPA's kernel hands
-its bf16 block products to oneDNN, which runs them in AMX tiles where the CPU has AMX (peak bf16 rate per core
-~16x AVX512-BF16's); there, which one is faster is a measurement, made here in a few tens of milliseconds.
+The CPU's flags cannot settle it. Our kernel (csrc/prefill_attention.cpp) ran 4-6x SDPA's CPU flash kernel on
+AMD's AVX512-BF16 CPUs in vdpbf16ps register tiles (benchmarks/prefill_attention_micro.py). SDPA's kernel hands
+its bf16 block products to oneDNN, which runs them in AMX tiles where the CPU has AMX, as ours then does too;
+which one is faster is a measurement, made here in a few tens of milliseconds.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from qwenbatch.layers.attention import sdpa_chunk_attention
 from qwenbatch.layers.cpu_kernels import kernels
 from qwenbatch.layers.timing import best_times_ms
 
-OURS = "avx512bf16-tiles"
+OURS = "cpu-kernels"
 SDPA = "sdpa-flash"
 # One fresh prompt of this many tokens is timed: the scheduler's chunks on CPU are of this order, and the two
 # kernels' ratio moves little with length (4.9x at 1,024 tokens, 4.4x at 4,096 on 8,192 keys, Zen 5).
@@ -31,13 +31,14 @@ class PrefillAttentionChoice:
     ours_ms: float | None = None
     sdpa_ms: float | None = None
     tokens: int = TIMED_TOKENS
+    ours_isa: str = ""  # what our kernel took its products with where it was timed: "amx" or "avx512-bf16"
 
     def describe(self) -> str:
+        ours = f"{OURS} ({self.ours_isa})" if self.ours_isa else OURS
+        chosen = ours if self.kernel == OURS else self.kernel
         if self.ours_ms is None or self.sdpa_ms is None:
-            return self.kernel
-        return (
-            f"{self.kernel} (timed on {self.tokens} tokens: {OURS} {self.ours_ms:.1f} ms, {SDPA} {self.sdpa_ms:.1f} ms)"
-        )
+            return chosen
+        return f"{chosen} (timed on {self.tokens} tokens: {ours} {self.ours_ms:.1f} ms, {SDPA} {self.sdpa_ms:.1f} ms)"
 
 
 SDPA_UNTIMED = PrefillAttentionChoice(SDPA)  # where ours cannot run, or the CPU kernels are off
@@ -72,4 +73,4 @@ def choose_prefill_attention(
     }
     best = best_times_ms(candidates, repeats)
     kernel = OURS if best[OURS] <= best[SDPA] else SDPA
-    return PrefillAttentionChoice(kernel, best[OURS], best[SDPA], tokens)
+    return PrefillAttentionChoice(kernel, best[OURS], best[SDPA], tokens, kernels().prefill_attention_isa())

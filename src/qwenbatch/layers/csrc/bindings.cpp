@@ -33,6 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention_isa", &decode_attention_isa, "what the bf16 decode attention takes its scores with");
   m.def("prefill_attention_available", &prefill_attention_available,
         "whether prefill_attention was built (it needs AVX512-BF16)");
+  m.def("prefill_attention_isa", &prefill_attention_isa, "what prefill_attention takes its products with");
   m.def("prefill_attention", &prefill_attention,
         "bf16 queries of a chunk against its context, bottom-right causal, FlashAttention-tiled", no_gil);
   m.def("greedy_tokens", &greedy_tokens, "each row's argmax and whether it holds an inf or a NaN, in one pass");

@@ -7,6 +7,7 @@
 // cache but no faster from memory, which a real step reads from; that one kept the online softmax's reductions once
 // every 16 positions, and took each block's K and V into L1 together. Where the CPU has AMX, the bf16 kernel takes
 // its scores on tiles: 1.17-1.26x the vdpbf16ps scores from memory, 1.3-1.5x from cache (the AMX kind).
+#include "amx.h"
 #include "float_math.h"
 #include "index_math.h"
 #include "ops.h"
@@ -14,8 +15,6 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -242,27 +241,6 @@ __attribute__((always_inline)) inline void transpose16(__m512i (&r)[16]) {
   }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define QB_DECODE_AMX 1
-// Whether this process may use AMX tiles: Linux hands out their 8 KB of state only to processes that ask
-// (ARCH_REQ_XCOMP_PERM for XTILEDATA); oneDNN asks too, but a bf16 model's first decode step may come first.
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
-
-// The tiles the scores use: C (16 positions x 16 heads, float32), A (16 positions' K rows, 32 dimensions) and B
-// (32 dimensions of 16 query heads in pairs), each 16 rows of 64 bytes.
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16};
-};
-#endif
-
 // The kernel for bf16 caches on AVX512-BF16, for G query heads a KV head (every Qwen model has 2 to 8).
 // - Scores: 16 positions at a time are the lanes. Their K rows, transposed in registers into [dim pair][position]
 //   words, meet each query head's dimension pairs in vdpbf16ps: bf16 products are exact in float32 and summed
@@ -279,15 +257,12 @@ template <int G>
 class Bf16Worker {
  public:
   explicit Bf16Worker(const Problem<c10::BFloat16>& pr) : pr_(pr), acc(G * pr.head_dim), mx(G), sum(G) {
-#ifdef QB_DECODE_AMX
-    amx_ = amx_permitted();
-    if (amx_) {
-      static const TileConfig config;  // static: built at compile time (GCC 12 dropped stores to a stack copy)
-      _tile_loadconfig(&config);
-    }
+#ifdef QB_AMX
+    amx_ = qb::amx_permitted();
+    if (amx_) qb::configure_tiles();
 #endif
   }
-#ifdef QB_DECODE_AMX
+#ifdef QB_AMX
   ~Bf16Worker() {
     if (amx_) _tile_release();
   }
@@ -300,7 +275,7 @@ class Bf16Worker {
     const Problem<c10::BFloat16>& pr = pr_;
     const int64_t len = pr.lens[s];
     q_ = reinterpret_cast<const uint32_t*>(pr.q + (s * pr.heads + h * G) * pr.head_dim);
-#ifdef QB_DECODE_AMX
+#ifdef QB_AMX
     if (amx_) {  // the B tiles, [dimension pair][head], heads past G zero
       const int64_t pairs = pr.head_dim / 2;
       std::fill(q_tiles_, q_tiles_ + pairs * 16, 0u);
@@ -418,13 +393,13 @@ class Bf16Worker {
 
   // Chunk c's scores (scale included) into weights_[g][16 c ..]; lanes past its positions hold scores of zeros.
   void scores(const Chunk& chunk, int64_t c) {
-#ifdef QB_DECODE_AMX
+#ifdef QB_AMX
     if (amx_) return scores_amx(chunk, c);
 #endif
     scores_avx512(chunk, c);
   }
 
-#ifdef QB_DECODE_AMX
+#ifdef QB_AMX
   // On AMX: the chunk's K rows, as stored, are the A tiles (16 positions x 32 dimensions each), the query heads' pairs
   // the B tiles, so C holds [position][head] without the K transposes and G x head_dim / 2 vdpbf16ps of the AVX-512
   // path; C is transposed once to the weights' [head][position]. Products of bf16 are exact in float32 on both paths.
@@ -488,7 +463,7 @@ class Bf16Worker {
   Chunk chunks_[kSpanChunks];
   alignas(64) uint32_t kt_[kBf16MaxDims / 2 * 16];  // a chunk's K rows transposed: [dim pair][position]
   alignas(64) float weights_[G][kSpanChunks * 16];   // the span's scores, then its weights
-#ifdef QB_DECODE_AMX
+#ifdef QB_AMX
   bool amx_ = false;
   alignas(64) uint32_t q_tiles_[kBf16MaxDims / 2 * 16];                // the task's B tiles
   alignas(64) float c_tile_[16 * 16];                                  // a chunk's scores, [position][head]
@@ -618,8 +593,8 @@ void decode_attention(const Problem<T>& pr, int64_t splits) {
 }  // namespace
 
 std::string decode_attention_isa() {
-#ifdef QB_DECODE_AMX
-  if (amx_permitted()) return "amx";
+#ifdef QB_AMX
+  if (qb::amx_permitted()) return "amx";
 #endif
 #ifdef QB_DECODE_BF16
   return "avx512-bf16";

@@ -21,6 +21,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 // The bf16 decode kernel's scores: "amx" (tiles), "avx512-bf16" (vdpbf16ps), or "float32" (only the float32 kernel).
 std::string decode_attention_isa();
 bool prefill_attention_available();
+// What prefill_attention takes its two products with: "amx" (tiles), "avx512-bf16" (vdpbf16ps), or "" (not built).
+std::string prefill_attention_isa();
 torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale);
 std::tuple<torch::Tensor, torch::Tensor> greedy_tokens(const torch::Tensor& logits);
 

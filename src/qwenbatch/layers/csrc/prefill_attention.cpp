@@ -1,10 +1,14 @@
 // Prefill attention on the CPU in bfloat16: a chunk's queries against its whole context (cached keys, then its own),
 // bottom-right causal, FlashAttention's tiling (a block of queries against a block of keys at a time, the softmax
-// taken online) with both products in register tiles of AVX512-BF16's pair dot products (vdpbf16ps). Built only
-// where the CPU has them; elsewhere the engine keeps SDPA's flash kernel.
+// taken online) with both products in register tiles of AVX512-BF16's pair dot products (vdpbf16ps), or, where the
+// CPU has AMX and Linux grants this process its tiles, in AMX tiles on the same packed K and V. Built only where the
+// CPU has AVX512-BF16; elsewhere the engine keeps SDPA's flash kernel.
 //
 // Why our own: SDPA's CPU flash kernel runs at 42-97 GFLOP/s on these shapes (GQA 14/2, head_dim 64, bf16) against
-// ~420 for a bf16 matmul, and computes then masks the upper triangle of a chunk after a cached prefix.
+// ~420 for a bf16 matmul, and computes then masks the upper triangle of a chunk after a cached prefix. On the AMX
+// kind it runs its block products in AMX tiles too (oneDNN), at 200-520 GFLOP/s; the vdpbf16ps kernel there made
+// 0.3-0.6x that, the tiles 1.1-2.1x (600-720 GFLOP/s, prefill_attention_micro.py).
+#include "amx.h"
 #include "float_math.h"
 #include "index_math.h"
 #include "ops.h"
@@ -15,6 +19,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
@@ -27,6 +32,17 @@ bool prefill_attention_available() {
   return true;
 #else
   return false;
+#endif
+}
+
+std::string prefill_attention_isa() {
+#if defined(QB_PREFILL_BF16) && defined(QB_AMX)
+  if (qb::amx_permitted()) return "amx";
+#endif
+#ifdef QB_PREFILL_BF16
+  return "avx512-bf16";
+#else
+  return "";
 #endif
 }
 
@@ -90,6 +106,90 @@ inline void output_tile(const uint32_t* p, int64_t p_stride, int64_t pairs, cons
   for (int64_t r = 0; r < kOutRows; ++r)
     for (int z = 0; z < Z; ++z) _mm512_storeu_ps(out + r * out_stride + z * 16, acc[r][z]);
 }
+
+#ifdef QB_AMX
+// The two products on AMX tiles where the process may use them (16 x 16 x 32 products): the packed K and V are already
+// B tiles, the queries' rows and the weights' rows A tiles as they lie. One call is N column tiles of one 16-row
+// block: C tiles 0..N-1, the A tile 4, B tiles 5-7 in turn, so each A load feeds N products and N accumulators keep
+// the tile unit's pipeline full (one accumulator's chain of products: 2.6x slower, prefill_attention_micro.py).
+// c[16 rows][N x 16] (+)= sum over `chunks` of a's [16 rows][32 values] chunk times b's column tiles' chunk; a chunk
+// is `a_step` bytes further along a's rows, `b_step` along b's, and column tile n is `b_col * n` bytes on.
+template <int N, bool kAccumulate>
+inline void tile_row(const char* a, int64_t a_stride, int64_t a_step, int64_t chunks, const char* b, int64_t b_stride,
+                     int64_t b_step, int64_t b_col, float* c, int64_t c_stride) {
+  static_assert(N == 1 || N == 2 || N == 4);
+  char* cb = reinterpret_cast<char*>(c);
+  if (kAccumulate) {
+    _tile_loadd(0, cb, c_stride);
+    if (N > 1) _tile_loadd(1, cb + 64, c_stride);
+    if (N > 2) {
+      _tile_loadd(2, cb + 128, c_stride);
+      _tile_loadd(3, cb + 192, c_stride);
+    }
+  } else {
+    _tile_zero(0);
+    if (N > 1) _tile_zero(1);
+    if (N > 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  }
+  for (int64_t j = 0; j < chunks; ++j, a += a_step, b += b_step) {
+    _tile_loadd(4, a, a_stride);
+    _tile_loadd(5, b, b_stride);
+    _tile_dpbf16ps(0, 4, 5);
+    if (N > 1) {
+      _tile_loadd(6, b + b_col, b_stride);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if (N > 2) {
+      _tile_loadd(7, b + 2 * b_col, b_stride);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, b + 3 * b_col, b_stride);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, cb, c_stride);
+  if (N > 1) _tile_stored(1, cb + 64, c_stride);
+  if (N > 2) {
+    _tile_stored(2, cb + 128, c_stride);
+    _tile_stored(3, cb + 192, c_stride);
+  }
+}
+
+// `columns` column tiles of a row block, four, then two, then one at a time; `at(n)` gives tile_row's arguments'
+// column-dependent part for the column tile n.
+template <bool kAccumulate, typename Call>
+inline void tile_columns(int64_t columns, const Call& call) {
+  int64_t n = 0;
+  for (; n + 4 <= columns; n += 4) call(n, std::integral_constant<int, 4>{});
+  for (; n + 2 <= columns; n += 2) call(n, std::integral_constant<int, 2>{});
+  for (; n < columns; ++n) call(n, std::integral_constant<int, 1>{});
+}
+
+// scores[r][0..live) = q_r . k for all kQueryRows queries: q_rows [kQueryRows][d] bf16, k packed as pack_kv's from
+// the block's first key.
+inline void scores_amx(const c10::BFloat16* q_rows, int64_t d, const uint32_t* k, int64_t live, float* scores) {
+  const int64_t panel = d / 2 * 16 * 4;  // bytes of 16 keys' packed K
+  for (int64_t r = 0; r < kQueryRows; r += 16)
+    tile_columns<false>(live / 16, [&](int64_t n, auto width) {
+      tile_row<decltype(width)::value, false>(reinterpret_cast<const char*>(q_rows + r * d), d * 2, 64, d / 32,
+                                              reinterpret_cast<const char*>(k) + n * panel, 64, 16 * 16 * 4, panel,
+                                              scores + r * kKeys + n * 16, kKeys * 4);
+    });
+}
+
+// out[r][0..d) += p_r . v over `live` keys for all kQueryRows queries: p rows of kKeys / 2 words, v packed as
+// pack_kv's from the block's first key pair, out [kQueryRows][d].
+inline void output_amx(const uint32_t* p, int64_t live, const uint32_t* v, int64_t d, float* out) {
+  for (int64_t r = 0; r < kQueryRows; r += 16)
+    tile_columns<true>(d / 16, [&](int64_t n, auto width) {
+      tile_row<decltype(width)::value, true>(reinterpret_cast<const char*>(p + r * (kKeys / 2)), kKeys * 2, 64,
+                                             live / 32, reinterpret_cast<const char*>(v + n * 16), d * 4, 16 * d * 4,
+                                             64, out + r * d + n * 16, d * 4);
+    });
+}
+#endif
 
 // One call's tensors: q [Lq, heads, d], k and v [Lk, kv_heads, d] (rows `*_row` elements apart, heads `*_head`),
 // out [Lq, heads, d] contiguous. Query i sees keys 0 ..= i + Lk - Lq.
@@ -192,16 +292,30 @@ void prefill_attention_bf16(const Problem& pr) {
   // causal blocks of every size fall to every thread alike; otherwise the thread holding the most late blocks
   // bounds the call (~12% over the mean at 16 threads).
   at::parallel_for(0, pr.heads * query_blocks, 1, [&](int64_t begin, int64_t end) {
+#ifdef QB_AMX
+    const bool amx = qb::amx_permitted();
+    if (amx) qb::configure_tiles();
+#else
+    constexpr bool amx = false;
+#endif
     std::vector<uint32_t> q(kQueryRows * dim_pairs), p(kQueryRows * kKeys / 2);
+    std::vector<c10::BFloat16> q_rows(amx ? kQueryRows * d : 0);  // AMX's A tiles
     std::vector<float> scores(kQueryRows * kKeys), out(kQueryRows * d), mx(kQueryRows), sum(kQueryRows),
         shrink(kQueryRows);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / query_blocks, q0 = task % query_blocks * kQueryRows;
       const int64_t rows = std::min(kQueryRows, pr.q_len - q0), kvh = h / group;
-      std::fill(q.begin(), q.end(), 0u);  // rows past the chunk: zero queries, their results dropped
-      for (int64_t r = 0; r < rows; ++r) {
-        const c10::BFloat16* src = pr.q + (q0 + r) * pr.q_row + h * pr.q_head;
-        for (int64_t j = 0; j < dim_pairs; ++j) q[j * kQueryRows + r] = word(src + 2 * j);
+      // Rows past the chunk: zero queries, their results dropped.
+      if (amx) {
+        std::fill(q_rows.begin(), q_rows.end(), c10::BFloat16(0.f));
+        for (int64_t r = 0; r < rows; ++r)
+          std::memcpy(q_rows.data() + r * d, pr.q + (q0 + r) * pr.q_row + h * pr.q_head, d * 2);
+      } else {
+        std::fill(q.begin(), q.end(), 0u);
+        for (int64_t r = 0; r < rows; ++r) {
+          const c10::BFloat16* src = pr.q + (q0 + r) * pr.q_row + h * pr.q_head;
+          for (int64_t j = 0; j < dim_pairs; ++j) q[j * kQueryRows + r] = word(src + 2 * j);
+        }
       }
       std::fill(out.begin(), out.end(), 0.f);
       std::fill(p.begin(), p.end(), 0u);  // rows past the chunk keep zero weights
@@ -213,10 +327,14 @@ void prefill_attention_bf16(const Problem& pr) {
       for (int64_t k0 = 0; k0 < keys_seen; k0 += kKeys) {
         // The block's keys that any of its queries sees, in whole score tiles: on the diagonal the rest are skipped.
         const int64_t live = std::min(kKeys, round_up(keys_seen - k0, 32));
-        for (int64_t r = 0; r < kQueryRows; r += kScoreRows)
-          for (int64_t kk = 0; kk < live; kk += 32)
-            score_tile(q.data() + r, dim_pairs, kh + (k0 + kk) * dim_pairs, 16 * dim_pairs,
-                       scores.data() + r * kKeys + kk, kKeys);
+#ifdef QB_AMX
+        if (amx) scores_amx(q_rows.data(), d, kh + k0 * dim_pairs, live, scores.data());
+#endif
+        if (!amx)
+          for (int64_t r = 0; r < kQueryRows; r += kScoreRows)
+            for (int64_t kk = 0; kk < live; kk += 32)
+              score_tile(q.data() + r, dim_pairs, kh + (k0 + kk) * dim_pairs, 16 * dim_pairs,
+                         scores.data() + r * kKeys + kk, kKeys);
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t visible = std::min({kKeys, q0 + r + offset + 1 - k0, pr.k_len - k0});
           shrink[r] =
@@ -228,8 +346,14 @@ void prefill_attention_bf16(const Problem& pr) {
 #pragma omp simd
           for (int64_t i = 0; i < d; ++i) o[i] *= shrink[r];
         }
+        const uint32_t* vb = vh + k0 / 2 * d;
+#ifdef QB_AMX
+        if (amx) {
+          output_amx(p.data(), live, vb, d, out.data());
+          continue;
+        }
+#endif
         for (int64_t r = 0; r < rows; r += kOutRows) {
-          const uint32_t* vb = vh + k0 / 2 * d;
           int64_t i = 0;
           for (; i + 64 <= d; i += 64)
             output_tile<4>(p.data() + r * kKeys / 2, kKeys / 2, live / 2, vb + i, d, out.data() + r * d + i, d);
@@ -243,6 +367,9 @@ void prefill_attention_bf16(const Problem& pr) {
         for (int64_t i = 0; i < d; ++i) dst[i] = qb::from_f32<c10::BFloat16>(out[r * d + i] * inv);
       }
     }
+#ifdef QB_AMX
+    if (amx) _tile_release();
+#endif
   });
 }
 
