@@ -110,14 +110,36 @@ def test_a_scale_that_is_not_positive_is_refused(scale):
         kernels().prefill_attention(q, k, k, scale)
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_context_read_through_cache_slots_equals_it_gathered(target):
+    """A chunk after a cached prefix reads its context in place, through its slots (in any order, as a block table
+    scatters them), and writes into the step's output rows: the same bits as on the gathered rows."""
+    torch.manual_seed(3)
+    cache_k = torch.randn(640, 2, 64, dtype=torch.bfloat16)
+    cache_v = torch.randn(640, 2, 64, dtype=torch.bfloat16)
+    slots = torch.randperm(640)[:300]
+    q = torch.randn(45, 14, 64, dtype=torch.bfloat16)
+    want = kernels(target).prefill_attention(q, cache_k[slots], cache_v[slots], 0.125)
+    out = torch.full((50, 14, 64), float("nan"), dtype=torch.bfloat16)
+    got = kernels(target).prefill_attention(q, cache_k, cache_v, 0.125, slots, out[5:])
+    assert got.data_ptr() == out[5:].data_ptr()
+    assert torch.equal(out[5:], want)
+    assert out[:5].isnan().all()  # rows outside the chunk untouched
+    with pytest.raises(RuntimeError, match="a slot outside the cache"):
+        kernels(target).prefill_attention(q, cache_k, cache_v, 0.125, torch.tensor([0, 640] * 30))
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list[tuple[int, int]]:
     """(queries, keys) of each prefill_attention call in the test."""
     calls: list[tuple[int, int]] = []
     real = kernels().prefill_attention
-    monkeypatch.setattr(
-        kernels(), "prefill_attention", lambda q, k, v, s: calls.append((len(q), len(k))) or real(q, k, v, s)
-    )
+
+    def recording(q, k, v, scale, slots=None, out=None):
+        calls.append((len(q), len(k) if slots is None else len(slots)))
+        return real(q, k, v, scale, slots, out)
+
+    monkeypatch.setattr(kernels(), "prefill_attention", recording)
     return calls
 
 

@@ -25,7 +25,7 @@ def kernel_calls(monkeypatch, needs_the_kernel) -> list[int]:
     """Query lengths of each call of our prefill kernel."""
     calls: list[int] = []
     real = kernels().prefill_attention
-    monkeypatch.setattr(kernels(), "prefill_attention", lambda q, k, v, s: calls.append(len(q)) or real(q, k, v, s))
+    monkeypatch.setattr(kernels(), "prefill_attention", lambda q, *a, **kw: calls.append(len(q)) or real(q, *a, **kw))
     return calls
 
 
@@ -33,7 +33,7 @@ def slow_down(monkeypatch, kernel: str, seconds: float = 0.02) -> None:
     """Make ``kernel`` (OURS or SDPA) take ``seconds`` longer a call, as a slower kernel on another CPU would."""
     if kernel == OURS:
         real = kernels().prefill_attention
-        monkeypatch.setattr(kernels(), "prefill_attention", lambda *a: time.sleep(seconds) or real(*a))
+        monkeypatch.setattr(kernels(), "prefill_attention", lambda *a, **kw: time.sleep(seconds) or real(*a, **kw))
     else:
         real = attention.sdpa_chunk_attention
         slowed = lambda *a: time.sleep(seconds) or real(*a)  # noqa: E731

@@ -151,21 +151,31 @@ class TorchAttentionMetadata(AttentionMetadata):
 
         out = torch.empty_like(q)
         for span in self.prefills:
-            rows = span.rows
-            if span.kv_slots is None:
-                kk, vv = k[rows], v[rows]
-            else:
-                kk, vv = k_flat[span.kv_slots], v_flat[span.kv_slots]
-            out[rows] = self._prefill(q[rows], kk, vv, scale)
+            self._prefill_span(span, q, k, v, k_flat, v_flat, scale, out)
 
         if self.num_decodes:
             out[: self.num_decodes] = self._decode(q[: self.num_decodes], k_flat, v_flat, kv_cache, scale)
         return out.view(num_tokens, heads * head_dim)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """One chunk's attention: q [Lq, heads, d] against its whole context k, v [Lk, kv_heads, d], the queries
-        being the context's last Lq positions (bottom-right causal). Returns [Lq, heads, d]."""
-        return sdpa_chunk_attention(q, k, v, scale)
+    def _prefill_span(
+        self,
+        span: _TorchPrefill,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """One chunk's attention into ``out[span.rows]``: its queries against its whole context, this step's own
+        K/V for a fresh prompt, else the context's slots of the cache (k_flat, v_flat), bottom-right causal."""
+        rows = span.rows
+        if span.kv_slots is None:
+            kk, vv = k[rows], v[rows]
+        else:
+            kk, vv = k_flat[span.kv_slots], v_flat[span.kv_slots]
+        out[rows] = sdpa_chunk_attention(q[rows], kk, vv, scale)
 
     def _decode(
         self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, kv_cache: torch.Tensor, scale: float
@@ -206,10 +216,24 @@ class KernelAttentionMetadata(TorchAttentionMetadata):
             lens = torch.tensor(layout.decode_lens, dtype=torch.int32)
         return cls(base.slot_mapping, base.prefills, base.num_decodes, None, None, tables, lens, own_prefill)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        if self.own_prefill:  # chosen for a bf16 engine only
-            return kernels().prefill_attention(q, k, v, scale)
-        return super()._prefill(q, k, v, scale)
+    def _prefill_span(
+        self,
+        span: _TorchPrefill,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        rows = span.rows
+        if not self.own_prefill:  # chosen for a bf16 engine only
+            super()._prefill_span(span, q, k, v, k_flat, v_flat, scale, out)
+        elif span.kv_slots is None:
+            kernels().prefill_attention(q[rows], k[rows], v[rows], scale, out=out[rows])
+        else:  # the cached context read in place, no gather
+            kernels().prefill_attention(q[rows], k_flat, v_flat, scale, span.kv_slots, out[rows])
 
     def _decode(
         self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, kv_cache: torch.Tensor, scale: float

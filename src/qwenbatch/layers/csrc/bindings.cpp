@@ -35,7 +35,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether prefill_attention was built (it needs AVX512-BF16)");
   m.def("prefill_attention_isa", &prefill_attention_isa, "what prefill_attention takes its products with");
   m.def("prefill_attention", &prefill_attention,
-        "bf16 queries of a chunk against its context, bottom-right causal, FlashAttention-tiled", no_gil);
+        "bf16 queries of a chunk against its context (rows of k and v, or the cache rows slots pick), bottom-right "
+        "causal, FlashAttention-tiled, into out where given",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("slots") = py::none(),
+        py::arg("out") = py::none(), no_gil);
   m.def("greedy_tokens", &greedy_tokens, "each row's argmax and whether it holds an inf or a NaN, in one pass");
   // module_local: the tests load builds for several targets into one process.
   py::class_<Int8Weight>(m, "Int8Weight", py::module_local(), "a linear layer's weights in int8_linear's packed format")

@@ -23,7 +23,8 @@ std::string decode_attention_isa();
 bool prefill_attention_available();
 // What prefill_attention takes its two products with: "amx" (tiles), "avx512-bf16" (vdpbf16ps), or "" (not built).
 std::string prefill_attention_isa();
-torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale);
+torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
+                                const c10::optional<torch::Tensor>& slots, const c10::optional<torch::Tensor>& out);
 std::tuple<torch::Tensor, torch::Tensor> greedy_tokens(const torch::Tensor& logits);
 
 // A linear layer's weights in int8_linear's packed format.

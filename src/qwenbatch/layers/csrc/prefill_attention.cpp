@@ -192,13 +192,17 @@ inline void output_amx(const uint32_t* p, int64_t live, const uint32_t* v, int64
 #endif
 
 // One call's tensors: q [Lq, heads, d], k and v [Lk, kv_heads, d] (rows `*_row` elements apart, heads `*_head`),
-// out [Lq, heads, d] contiguous. Query i sees keys 0 ..= i + Lk - Lq.
+// or, with `slots`, key i's K and V in row slots[i] of k and v (a paged cache's slots); out [Lq, heads, d]
+// contiguous. Query i sees keys 0 ..= i + Lk - Lq.
 struct Problem {
   const c10::BFloat16 *q, *k, *v;
   c10::BFloat16* out;
   int64_t q_len, k_len, heads, kv_heads, head_dim;
   int64_t q_row, q_head, k_row, k_head, v_row, v_head;
   float scale;
+  const int64_t* slots = nullptr;
+
+  int64_t row_of(int64_t key) const { return slots ? slots[key] : key; }
 };
 
 // K and V of every KV head in the tiles' layouts, zero past the context (keys padded to a whole block):
@@ -216,12 +220,13 @@ void pack_kv(const Problem& pr, int64_t padded, uint32_t* k_packed, uint32_t* v_
           for (int64_t j = 0; j < dim_pairs; ++j) kp[j * 16 + t] = 0u;
           continue;
         }
-        const c10::BFloat16* row = pr.k + key * pr.k_row + h * pr.k_head;
+        const c10::BFloat16* row = pr.k + pr.row_of(key) * pr.k_row + h * pr.k_head;
         for (int64_t j = 0; j < dim_pairs; ++j) kp[j * 16 + t] = word(row + 2 * j);
       }
       // A V row's bits, or zeros past the context.
       const auto v_row = [&](int64_t key, int64_t i) -> uint32_t {
-        return key < pr.k_len ? reinterpret_cast<const uint16_t*>(pr.v + key * pr.v_row + h * pr.v_head)[i] : 0u;
+        return key < pr.k_len ? reinterpret_cast<const uint16_t*>(pr.v + pr.row_of(key) * pr.v_row + h * pr.v_head)[i]
+                              : 0u;
       };
       for (int64_t t = 0; t < 16; t += 2) {
         uint32_t* dst = vp + t / 2 * d;
@@ -376,9 +381,11 @@ void prefill_attention_bf16(const Problem& pr) {
 }  // namespace
 #endif
 
-// q: [Lq, heads, d]; k, v: [Lk, kv_heads, d], Lk >= Lq; bfloat16, d a multiple of 32. Query i attends to keys
-// 0 ..= i + Lk - Lq (the chunk's queries are the context's last ones). Returns [Lq, heads, d].
-torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale) {
+// q: [Lq, heads, d]; k, v: [Lk, kv_heads, d], Lk >= Lq, or with `slots` (int64 [Lk]) rows of a paged cache that
+// slots pick in key order; bfloat16, d a multiple of 32. Query i attends to keys 0 ..= i + Lk - Lq (the chunk's
+// queries are the context's last ones). Writes into `out` ([Lq, heads, d], contiguous) where given; returns it.
+torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
+                                const c10::optional<torch::Tensor>& slots, const c10::optional<torch::Tensor>& out) {
 #ifdef QB_PREFILL_BF16
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: [tokens, heads, head_dim] tensors");
   TORCH_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu(), "prefill_attention: CPU tensors only");
@@ -386,19 +393,31 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
                   v.scalar_type() == torch::kBFloat16,
               "prefill_attention: bfloat16 only");
-  const int64_t q_len = q.size(0), heads = q.size(1), d = q.size(2), k_len = k.size(0), kv_heads = k.size(1);
+  const int64_t q_len = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(1);
+  const int64_t k_len = slots.has_value() ? slots->numel() : k.size(0);
   TORCH_CHECK(d > 0 && d % 32 == 0 && k.size(2) == d && v.sizes() == k.sizes() && kv_heads > 0 &&
                   heads % kv_heads == 0 && k_len >= q_len,
               "prefill_attention: shapes do not fit");
+  torch::Tensor slots_c;
+  if (slots.has_value()) {
+    slots_c = slots->contiguous();
+    TORCH_CHECK(slots_c.scalar_type() == torch::kInt64 && slots_c.dim() == 1, "prefill_attention: int64 [Lk] slots");
+    const int64_t* at = slots_c.data_ptr<int64_t>();
+    TORCH_CHECK(std::all_of(at, at + k_len, [&](int64_t slot) { return slot >= 0 && slot < k.size(0); }),
+                "prefill_attention: a slot outside the cache");
+  }
   const torch::Tensor qc = q.stride(2) == 1 ? q : q.contiguous(), kc = k.stride(2) == 1 ? k : k.contiguous(),
                       vc = v.stride(2) == 1 ? v : v.contiguous();
-  torch::Tensor out = torch::empty({q_len, heads, d}, q.options());
-  if (q_len == 0) return out;
-  prefill_attention_bf16(Problem{qc.data_ptr<c10::BFloat16>(), kc.data_ptr<c10::BFloat16>(),
-                                 vc.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), q_len, k_len, heads,
-                                 kv_heads, d, qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), vc.stride(0),
-                                 vc.stride(1), static_cast<float>(scale)});
-  return out;
+  torch::Tensor result = out.has_value() ? *out : torch::empty({q_len, heads, d}, q.options());
+  TORCH_CHECK(result.sizes() == q.sizes() && result.scalar_type() == torch::kBFloat16 && result.is_contiguous(),
+              "prefill_attention: out must be a contiguous bfloat16 tensor of q's shape");
+  if (q_len == 0) return result;
+  Problem problem{qc.data_ptr<c10::BFloat16>(), kc.data_ptr<c10::BFloat16>(), vc.data_ptr<c10::BFloat16>(),
+                  result.data_ptr<c10::BFloat16>(), q_len, k_len, heads, kv_heads, d, qc.stride(0), qc.stride(1),
+                  kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), static_cast<float>(scale)};
+  if (slots.has_value()) problem.slots = slots_c.data_ptr<int64_t>();
+  prefill_attention_bf16(problem);
+  return result;
 #else
   TORCH_CHECK(false, "prefill_attention: built without AVX512-BF16");
 #endif
