@@ -111,7 +111,7 @@ inline void output_tile(const uint32_t* p, int64_t p_stride, int64_t pairs, cons
 // The two products on AMX tiles where the process may use them (16 x 16 x 32 products): the packed K and V are already
 // B tiles, the queries' rows and the weights' rows A tiles as they lie. One call is N column tiles of one 16-row
 // block: C tiles 0..N-1, the A tile 4, B tiles 5-7 in turn, so each A load feeds N products and N accumulators keep
-// the tile unit's pipeline full (one accumulator's chain of products: 2.6x slower, prefill_attention_micro.py).
+// the tile unit's busier (one accumulator a call ran 1.1-1.4x slower, prefill_attention_micro.py).
 // c[16 rows][N x 16] (+)= sum over `chunks` of a's [16 rows][32 values] chunk times b's column tiles' chunk; a chunk
 // is `a_step` bytes further along a's rows, `b_step` along b's, and column tile n is `b_col * n` bytes on.
 template <int N, bool kAccumulate>
@@ -157,9 +157,9 @@ inline void tile_row(const char* a, int64_t a_stride, int64_t a_step, int64_t ch
   }
 }
 
-// `columns` column tiles of a row block, four, then two, then one at a time; `at(n)` gives tile_row's arguments'
-// column-dependent part for the column tile n.
-template <bool kAccumulate, typename Call>
+// `columns` column tiles of a row block, four, then two, then one at a time: call(n, width) for the first column
+// tile n of each group, the group's width as a compile-time constant (tile_row's N).
+template <typename Call>
 inline void tile_columns(int64_t columns, const Call& call) {
   int64_t n = 0;
   for (; n + 4 <= columns; n += 4) call(n, std::integral_constant<int, 4>{});
@@ -172,7 +172,7 @@ inline void tile_columns(int64_t columns, const Call& call) {
 inline void scores_amx(const c10::BFloat16* q_rows, int64_t d, const uint32_t* k, int64_t live, float* scores) {
   const int64_t panel = d / 2 * 16 * 4;  // bytes of 16 keys' packed K
   for (int64_t r = 0; r < kQueryRows; r += 16)
-    tile_columns<false>(live / 16, [&](int64_t n, auto width) {
+    tile_columns(live / 16, [&](int64_t n, auto width) {
       tile_row<decltype(width)::value, false>(reinterpret_cast<const char*>(q_rows + r * d), d * 2, 64, d / 32,
                                               reinterpret_cast<const char*>(k) + n * panel, 64, 16 * 16 * 4, panel,
                                               scores + r * kKeys + n * 16, kKeys * 4);
@@ -183,7 +183,7 @@ inline void scores_amx(const c10::BFloat16* q_rows, int64_t d, const uint32_t* k
 // pack_kv's from the block's first key pair, out [kQueryRows][d].
 inline void output_amx(const uint32_t* p, int64_t live, const uint32_t* v, int64_t d, float* out) {
   for (int64_t r = 0; r < kQueryRows; r += 16)
-    tile_columns<true>(d / 16, [&](int64_t n, auto width) {
+    tile_columns(d / 16, [&](int64_t n, auto width) {
       tile_row<decltype(width)::value, true>(reinterpret_cast<const char*>(p + r * (kKeys / 2)), kKeys * 2, 64,
                                              live / 32, reinterpret_cast<const char*>(v + n * 16), d * 4, 16 * d * 4,
                                              64, out + r * d + n * 16, d * 4);
@@ -303,8 +303,9 @@ void prefill_attention_bf16(const Problem& pr) {
 #else
     constexpr bool amx = false;
 #endif
-    std::vector<uint32_t> q(kQueryRows * dim_pairs), p(kQueryRows * kKeys / 2);
-    std::vector<c10::BFloat16> q_rows(amx ? kQueryRows * d : 0);  // AMX's A tiles
+    // The queries as vdpbf16ps broadcasts them ([dim pair][query] words), or as AMX's A tiles ([query][dim]).
+    std::vector<uint32_t> q(amx ? 0 : kQueryRows * dim_pairs), p(kQueryRows * kKeys / 2);
+    std::vector<c10::BFloat16> q_rows(amx ? kQueryRows * d : 0);
     std::vector<float> scores(kQueryRows * kKeys), out(kQueryRows * d), mx(kQueryRows), sum(kQueryRows),
         shrink(kQueryRows);
     for (int64_t task = begin; task < end; ++task) {
