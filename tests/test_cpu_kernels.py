@@ -20,7 +20,7 @@ from qwenbatch.layers.norm import RMSNorm
 def _same_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
     """In half precision the kernel rounds where the layer does (float32 inside, then the storage dtype), so
     all but a few elements whose float32 sums differ in the last bit are bitwise equal, and none is far."""
-    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got, want, equal_nan=True)
     assert float((got == want).float().mean()) > 0.99
 
 
@@ -36,13 +36,37 @@ def test_rms_norm_matches_the_layer(dtype, shape):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5) if dtype == torch.float32 else _same_rounding(got, want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_and_mul_matches_the_layer(dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [4864, 100])  # whole 16-lane vectors; a remainder after them
+def test_silu_and_mul_matches_the_layer(dtype, width):
     torch.manual_seed(1)
-    x = torch.randn(3, 2 * 4864, dtype=dtype) * 3
+    x = torch.randn(3, 2 * width, dtype=dtype) * 3
+    gate = x[:, :width]
+    gate[0, :6] = torch.tensor([float("inf"), -1e4, float("nan"), -100.0, 100.0, 0.0])
     want = SiluAndMul()(x)
     got = kernels().silu_and_mul(x)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6) if dtype == torch.float32 else _same_rounding(got, want)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True) if dtype == torch.float32 else (
+        _same_rounding(got, want)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(2048, 896), (5, 100)])
+def test_add_rms_norm_adds_into_the_residual_and_normalizes_the_sum(dtype, shape):
+    """A layer's residual add and the norm after it in one pass: the residual stream becomes x + residual in place,
+    as the PyTorch layer's method makes it, and the output is the kernel's rms_norm of that sum bit for bit (the
+    fused decode layer adds, then calls rms_norm: a step gives the same tokens whichever path ran)."""
+    torch.manual_seed(2)
+    norm = RMSNorm(shape[-1], 1e-6).to(dtype)
+    norm.weight.data.normal_()
+    x, residual = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype) * 4
+    layer_residual = residual.clone()
+    got = kernels().add_rms_norm(x, residual, norm.weight.data, norm.eps)
+    want = norm.add_and_norm(x, layer_residual)
+    assert torch.equal(residual, layer_residual)
+    assert torch.equal(got, kernels().rms_norm(layer_residual, norm.weight.data, norm.eps))
+    # against the PyTorch norm, whose float32 sum runs in another order: within two steps of the storage dtype
+    torch.testing.assert_close(got, want, rtol=2 * torch.finfo(dtype).eps, atol=1e-5)
 
 
 def _cpu_flags() -> set[str]:

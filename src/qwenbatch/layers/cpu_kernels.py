@@ -125,10 +125,14 @@ def build(csrc: Path, target: str = "native"):
 
 
 class KernelRMSNorm(RMSNorm):
-    """RMSNorm in one kernel call, with the layer's rounding steps (its float32 sum is taken in another order)."""
+    """RMSNorm in one kernel call, the residual add before it too, with the layer's rounding steps (its float32 sum
+    is taken in another order)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels().rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return kernels().add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class KernelSiluAndMul(SiluAndMul):

@@ -19,3 +19,9 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """A decoder layer's residual add and the norm after it: ``residual += x`` in place (the sum rounded to
+        their dtype, as ``x + residual``), then returns ``self(residual)``."""
+        residual.add_(x)
+        return self(residual)

@@ -63,11 +63,26 @@ class QwenDecoderLayer(nn.Module):
         # says which (``accepts(meta)``) and computes what this forward would.
         self.fused_decode = None
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer on the hidden states ``x + residual`` (``x`` alone where ``residual`` is None), returned the same
+        way: the MLP's output and the residual stream it is still to be added to, so that each residual add runs in
+        the norm after it (``RMSNorm.add_and_norm``). ``residual`` is updated in place."""
         if self.fused_decode is not None and self.fused_decode.accepts(meta):
-            return self.fused_decode(x, rope, kv_cache, meta)
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            hidden = x if residual is None else x + residual
+            return self.fused_decode(hidden, rope, kv_cache, meta), None
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.add_and_norm(x, residual)
+        h = self.post_attention_layernorm.add_and_norm(self.self_attn(h, rope, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class QwenModel(nn.Module):
@@ -87,9 +102,10 @@ class QwenModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)
 
 
 class QwenForCausalLM(nn.Module):

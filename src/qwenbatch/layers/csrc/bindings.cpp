@@ -27,6 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "rows_per_block, row_blocks)",
       py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads"));
   m.def("rms_norm", &rms_norm, "RMSNorm in float32, scaled in the input dtype");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm(residual)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(x[..., :n]) * x[..., n:]");
   m.def("rotary", &rotary, "neox-layout RoPE of [T, heads, head_dim] rows into a new tensor");
   m.def("paged_decode_attention", &paged_decode_attention, "one query per sequence against its paged K/V", no_gil);

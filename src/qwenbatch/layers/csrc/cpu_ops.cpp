@@ -4,6 +4,7 @@
 // the compiler to vectorize (the reductions through `omp simd`, which lets it reorder their sums).
 #include "float_math.h"
 #include "ops.h"
+#include "vec16.h"
 
 #include <ATen/Parallel.h>
 
@@ -11,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -19,18 +21,32 @@ using qb::from_f32;
 using qb::to_f32;
 using qb::vec_exp;
 
+// y = RMSNorm(x) * w, row by row. Where `residual` is given, x is first added into it in place (the sum rounded to
+// T, as x + residual gives it) and the sum is what is normalized: the layer's residual add and its next norm in one
+// pass over the rows.
 template <typename T>
-void rms_norm_impl(const T* x, const T* w, T* y, int64_t rows, int64_t n, float eps) {
+void rms_norm_impl(const T* x, T* residual, const T* w, T* y, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(n);
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * n;
+      if (residual != nullptr) {
+        T* rr = residual + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) {
+          // the rounded sum twice, not a T kept in a variable: GCC does not vectorize a loop that copies one
+          const float sum = to_f32(xr[i]) + to_f32(rr[i]);
+          rr[i] = from_f32<T>(sum);
+          buf[i] = to_f32(from_f32<T>(sum));
+        }
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) buf[i] = to_f32(xr[i]);
+      }
+      // One loop for both, so that a sum normalizes to the same bits whether it was added here or before.
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < n; ++i) {
-        buf[i] = static_cast<float>(xr[i]);
-        ss += buf[i] * buf[i];
-      }
+      for (int64_t i = 0; i < n; ++i) ss += buf[i] * buf[i];
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
       T* yr = y + r * n;
       // As the reference: normalise in float32, round to the storage dtype, then scale in it.
@@ -39,16 +55,32 @@ void rms_norm_impl(const T* x, const T* w, T* y, int64_t rows, int64_t n, float 
   });
 }
 
+// One row of SiLU(gate) * up: in 16-lane intrinsics (vec16.h) for bf16 and float32 where the CPU has AVX-512, else
+// as the compiler vectorizes qb::silu_times.
+template <typename T>
+void silu_and_mul_row(const T* gate, const T* up, T* y, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (; i + 16 <= n; i += 16) {
+      // as F.silu(gate) * up: the SiLU rounded to bf16 before the product
+      const __m512 silu = qb::round_to_bf16(qb::silu16(qb::bf16_to_f32x16(gate + i)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i),
+                          qb::f32_to_bf16x16(_mm512_mul_ps(silu, qb::bf16_to_f32x16(up + i))));
+    }
+  } else if constexpr (std::is_same_v<T, float>) {
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(y + i, _mm512_mul_ps(qb::silu16(_mm512_loadu_ps(gate + i)), _mm512_loadu_ps(up + i)));
+  }
+#endif
+#pragma omp simd
+  for (int64_t j = i; j < n; ++j) y[j] = qb::silu_times<T>(to_f32(gate[j]), to_f32(up[j]));
+}
+
 template <typename T>
 void silu_and_mul_impl(const T* x, T* y, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* gate = x + r * 2 * n;
-      const T* up = gate + n;
-      T* yr = y + r * n;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) yr[i] = qb::silu_times<T>(to_f32(gate[i]), to_f32(up[i]));
-    }
+    for (int64_t r = r0; r < r1; ++r) silu_and_mul_row(x + r * 2 * n, x + r * 2 * n + n, y + r * n, n);
   });
 }
 
@@ -108,8 +140,22 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   const torch::Tensor xc = x.contiguous(), wc = weight.contiguous();
   torch::Tensor y = torch::empty_like(xc);
   QB_DISPATCH(x.scalar_type(), "rms_norm",
-              rms_norm_impl<scalar_t>(xc.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
+              rms_norm_impl<scalar_t>(xc.data_ptr<scalar_t>(), nullptr, wc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
                                       xc.numel() / n, n, static_cast<float>(eps)));
+  return y;
+}
+
+torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps) {
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(weight.numel() == n && weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm: weight must be [n] in x's dtype");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() && residual.is_contiguous(),
+              "add_rms_norm: residual must be a contiguous tensor of x's shape and dtype");
+  const torch::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  torch::Tensor y = torch::empty_like(xc);
+  QB_DISPATCH(x.scalar_type(), "add_rms_norm",
+              rms_norm_impl<scalar_t>(xc.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(),
+                                      y.data_ptr<scalar_t>(), xc.numel() / n, n, static_cast<float>(eps)));
   return y;
 }
 

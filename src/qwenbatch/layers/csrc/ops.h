@@ -14,6 +14,8 @@ torch::Tensor int8_dequantize(const torch::Tensor& w, const torch::Tensor& scale
                               bool gate_up_halves);
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_groups(const torch::Tensor& weight);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+// residual += x in place (rounded to their dtype); returns RMSNorm(residual) * weight.
+torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps);
 torch::Tensor silu_and_mul(const torch::Tensor& x);
 torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
