@@ -4,7 +4,6 @@
 // the compiler to vectorize (the reductions through `omp simd`, which lets it reorder their sums).
 #include "float_math.h"
 #include "ops.h"
-#include "vec16.h"
 
 #include <ATen/Parallel.h>
 
@@ -12,7 +11,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -55,32 +53,16 @@ void rms_norm_impl(const T* x, T* residual, const T* w, T* y, int64_t rows, int6
   });
 }
 
-// One row of SiLU(gate) * up: in 16-lane intrinsics (vec16.h) for bf16 and float32 where the CPU has AVX-512, else
-// as the compiler vectorizes qb::silu_times.
-template <typename T>
-void silu_and_mul_row(const T* gate, const T* up, T* y, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    for (; i + 16 <= n; i += 16) {
-      // as F.silu(gate) * up: the SiLU rounded to bf16 before the product
-      const __m512 silu = qb::round_to_bf16(qb::silu16(qb::bf16_to_f32x16(gate + i)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i),
-                          qb::f32_to_bf16x16(_mm512_mul_ps(silu, qb::bf16_to_f32x16(up + i))));
-    }
-  } else if constexpr (std::is_same_v<T, float>) {
-    for (; i + 16 <= n; i += 16)
-      _mm512_storeu_ps(y + i, _mm512_mul_ps(qb::silu16(_mm512_loadu_ps(gate + i)), _mm512_loadu_ps(up + i)));
-  }
-#endif
-#pragma omp simd
-  for (int64_t j = i; j < n; ++j) y[j] = qb::silu_times<T>(to_f32(gate[j]), to_f32(up[j]));
-}
-
 template <typename T>
 void silu_and_mul_impl(const T* x, T* y, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) silu_and_mul_row(x + r * 2 * n, x + r * 2 * n + n, y + r * n, n);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* gate = x + r * 2 * n;
+      const T* up = gate + n;
+      T* yr = y + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) yr[i] = qb::silu_times<T>(to_f32(gate[i]), to_f32(up[i]));
+    }
   });
 }
 
