@@ -47,6 +47,21 @@ def test_fused_decode_steps_give_the_layers_own_tokens_and_logprobs(request, che
     assert _run(llm) == with_fused  # bitwise: the same kernels, the same rounding
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_step_mixing_fused_and_unfused_layers_gives_the_same_tokens(tiny_qwen2, dtype):
+    """Layers hand on (output, residual) and a fused layer the summed hidden states: a decode step in which every
+    other layer runs its own forward crosses between the two both ways and must give the same bits."""
+    if dtype == "bfloat16" and not onednn_available(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("oneDNN packs bf16 linears only where the CPU multiplies bf16 natively")
+    llm = LLM(model=str(tiny_qwen2), dtype=dtype, cpu_kernels="on", kv_cache_memory=8 * 2**20)
+    layers = llm.engine.runner.model.model.layers
+    assert len(layers) >= 2 and all(layer.fused_decode is not None for layer in layers)
+    all_fused = _run(llm)
+    for layer in layers[::2]:
+        layer.fused_decode = None
+    assert _run(llm) == all_fused
+
+
 def test_layers_are_not_fused_without_the_cpu_kernels(tiny_qwen3):
     llm = LLM(model=str(tiny_qwen3), dtype="float32", cpu_kernels="off", kv_cache_memory=8 * 2**20)
     assert all(layer.fused_decode is None for layer in llm.engine.runner.model.model.layers)

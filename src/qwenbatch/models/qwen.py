@@ -60,7 +60,7 @@ class QwenDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = QwenMLP(cfg)
         # Set by the loader where a kernel runs the whole layer for some steps (layers/fused_decode.py): it
-        # says which (``accepts(meta)``) and computes what this forward would.
+        # says which (``accepts(meta)``) and returns this forward's output and residual summed.
         self.fused_decode = None
 
     def forward(
@@ -73,7 +73,8 @@ class QwenDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer on the hidden states ``x + residual`` (``x`` alone where ``residual`` is None), returned the same
         way: the MLP's output and the residual stream it is still to be added to, so that each residual add runs in
-        the norm after it (``RMSNorm.add_and_norm``). ``residual`` is updated in place."""
+        the norm after it (``RMSNorm.add_and_norm``). The residual stream is updated in place: ``residual``, or ``x``
+        where it is None. A fused decode layer returns the summed hidden states and None."""
         if self.fused_decode is not None and self.fused_decode.accepts(meta):
             hidden = x if residual is None else x + residual
             return self.fused_decode(hidden, rope, kv_cache, meta), None
