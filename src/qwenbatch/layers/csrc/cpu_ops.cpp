@@ -115,30 +115,34 @@ void greedy_tokens_impl(const T* logits, int64_t rows, int64_t vocab, int64_t* t
 
 }  // namespace
 
-// x: [..., n], weight: [n] in x's dtype.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+namespace {
+
+// rms_norm and add_rms_norm: residual is null or a tensor the caller checked against x.
+torch::Tensor normalize(const torch::Tensor& x, torch::Tensor* residual, const torch::Tensor& weight, double eps,
+                        const char* name) {
   const int64_t n = x.size(-1);
-  TORCH_CHECK(weight.numel() == n && weight.scalar_type() == x.scalar_type(), "rms_norm: weight must be [n] in x's dtype");
+  TORCH_CHECK(weight.numel() == n && weight.scalar_type() == x.scalar_type(), name,
+              ": weight must be [n] in x's dtype");
   const torch::Tensor xc = x.contiguous(), wc = weight.contiguous();
   torch::Tensor y = torch::empty_like(xc);
-  QB_DISPATCH(x.scalar_type(), "rms_norm",
-              rms_norm_impl<scalar_t>(xc.data_ptr<scalar_t>(), nullptr, wc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
-                                      xc.numel() / n, n, static_cast<float>(eps)));
+  QB_DISPATCH(x.scalar_type(), name,
+              rms_norm_impl<scalar_t>(xc.data_ptr<scalar_t>(), residual ? residual->data_ptr<scalar_t>() : nullptr,
+                                      wc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), xc.numel() / n, n,
+                                      static_cast<float>(eps)));
   return y;
 }
 
+}  // namespace
+
+// x: [..., n], weight: [n] in x's dtype.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  return normalize(x, nullptr, weight, eps, "rms_norm");
+}
+
 torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps) {
-  const int64_t n = x.size(-1);
-  TORCH_CHECK(weight.numel() == n && weight.scalar_type() == x.scalar_type(),
-              "add_rms_norm: weight must be [n] in x's dtype");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() && residual.is_contiguous(),
               "add_rms_norm: residual must be a contiguous tensor of x's shape and dtype");
-  const torch::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  torch::Tensor y = torch::empty_like(xc);
-  QB_DISPATCH(x.scalar_type(), "add_rms_norm",
-              rms_norm_impl<scalar_t>(xc.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(),
-                                      y.data_ptr<scalar_t>(), xc.numel() / n, n, static_cast<float>(eps)));
-  return y;
+  return normalize(x, &residual, weight, eps, "add_rms_norm");
 }
 
 // x: [T, heads, head_dim] with a contiguous last dim (e.g. a slice of the fused qkv output); cos, sin:

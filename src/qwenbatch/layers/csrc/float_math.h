@@ -78,5 +78,5 @@ __attribute__((always_inline)) inline T silu_times(float gate, float up) {
     case torch::kFloat32: { using scalar_t = float; __VA_ARGS__; break; }                 \
     case torch::kBFloat16: { using scalar_t = c10::BFloat16; __VA_ARGS__; break; }        \
     case torch::kHalf: { using scalar_t = c10::Half; __VA_ARGS__; break; }                \
-    default: TORCH_CHECK(false, NAME ": float32, bfloat16 or float16 only");              \
+    default: TORCH_CHECK(false, NAME, ": float32, bfloat16 or float16 only");             \
   }
