@@ -1,11 +1,14 @@
 // What bounds a bf16 linear on AMX tiles at a decode step's rows: how fast 2 threads stream weights from memory
 // with plain vector loads, with tile loads feeding a fixed number of tile products, and as an M-row linear
 // (x read in place, weights in 1 KB B tiles). BENCHMARKS.md, "Decode attention on AMX tiles" has the figures.
-// Never run by CI.
+// `overlap` asks whether a core streams memory while its tile products run: the stream alone, the products alone
+// (ROWS / 16 a KB, on tiles loaded once) and the two interleaved; BENCHMARKS.md, "Why a decode step's linears
+// stay at ~16 GB/s on AMX". Never run by CI.
 //
 //   g++ -O2 -march=native -fopenmp benchmarks/amx_tile_stream.cpp -o /tmp/amx_tile_stream
 //   OMP_NUM_THREADS=2 /tmp/amx_tile_stream stream|tiles2|tiles4 [prefetch bytes ahead]
 //   OMP_NUM_THREADS=2 /tmp/amx_tile_stream linear ROWS [prefetch bytes ahead]
+//   OMP_NUM_THREADS=1 /tmp/amx_tile_stream overlap ROWS
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/syscall.h>
@@ -80,6 +83,34 @@ double stream_gbs(const char* buf, size_t bytes, int products, int ahead) {
   return bytes / seconds_since(t0) / 1e9;
 }
 
+// 1 GiB read by the threads with plain loads (`stream`), or `products` tile products a KB on tiles loaded once and
+// nothing read (`stream` false), or both interleaved; GB/s of the buffer.
+double overlap_gbs(const char* buf, size_t bytes, int products, bool stream) {
+  const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel
+  {
+    const size_t per = bytes / omp_get_num_threads();
+    const char *p = buf + omp_get_thread_num() * per, *end = p + per;
+    static const TileConfig config;  // static: built at compile time (GCC 12 dropped stores to a stack copy)
+    alignas(64) static const uint16_t operand[512] = {};
+    _tile_loadconfig(&config);
+    _tile_loadd(4, operand, 64);
+    _tile_loadd(5, operand, 64);
+    _tile_loadd(6, operand, 64);
+    for (const char* q = p; q < end; q += 1024) {
+      // asm: loads whose values nothing uses, which the compiler would otherwise drop
+      if (stream)
+        for (int line = 0; line < 16; ++line) asm volatile("vmovdqa64 (%0), %%zmm16" ::"r"(q + 64 * line) : "xmm16");
+      if (products > 0) _tile_dpbf16ps(0, 4, 6);
+      if (products > 1) _tile_dpbf16ps(1, 5, 6);
+      if (products > 2) _tile_dpbf16ps(2, 4, 6);
+      if (products > 3) _tile_dpbf16ps(3, 5, 6);
+    }
+    _tile_release();
+  }
+  return bytes / seconds_since(t0) / 1e9;
+}
+
 // y[M, N] = x[M, K] . W^T for M <= 64: each thread a run of 16-column blocks, each block's K/32 B tiles streamed
 // once against the M/16 row tiles of x, loaded in place (rows K * 2 bytes apart).
 void linear(const uint16_t* x, const uint16_t* tiles, float* y, int M, int N, int K, int ahead) {
@@ -128,10 +159,25 @@ void linear(const uint16_t* x, const uint16_t* tiles, float* y, int M, int N, in
 
 int main(int argc, char** argv) {
   if (argc < 2 || syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) {
-    std::fprintf(stderr, "usage: %s stream|tiles2|tiles4|linear [ROWS] [ahead]; needs AMX\n", argv[0]);
+    std::fprintf(stderr, "usage: %s stream|tiles2|tiles4|linear|overlap [ROWS] [ahead]; needs AMX\n", argv[0]);
     return 1;
   }
   const std::string mode = argv[1];
+  if (mode == "overlap") {
+    const int products = (argc > 2 ? std::atoi(argv[2]) : 64) / 16;
+    const size_t bytes = size_t{1} << 30;
+    char* buf = static_cast<char*>(std::aligned_alloc(4096, bytes));
+    std::memset(buf, 1, bytes);
+    double alone = 0, tiles = 0, both = 0;
+    for (int rep = 0; rep < 4; ++rep) {
+      alone = std::max(alone, overlap_gbs(buf, bytes, 0, true));
+      tiles = std::max(tiles, overlap_gbs(buf, bytes, products, false));
+      both = std::max(both, overlap_gbs(buf, bytes, products, true));
+    }
+    std::printf("%d products a KB: stream %.1f GB/s, products %.1f, both %.1f (overlapped: %.1f, in turn: %.1f)\n",
+                products, alone, tiles, both, std::min(alone, tiles), 1 / (1 / alone + 1 / tiles));
+    return 0;
+  }
   if (mode != "linear") {
     const int ahead = argc > 2 ? std::atoi(argv[2]) : 0, products = mode == "stream" ? 0 : mode == "tiles2" ? 2 : 4;
     const size_t bytes = size_t{1} << 30;

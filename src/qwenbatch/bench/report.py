@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 from qwenbatch.bench import throughput
 from qwenbatch.bench.workloads import BenchRequest
@@ -17,44 +18,78 @@ def throughput_report(
     compare_prefix_caching: bool,
     batch1: bool,
     llama_cpp: bool = False,
+    repeats: int = 1,
 ) -> dict:
     """Run ours (and optionally ours without prefix caching, batch 1, transformers) in this process.
 
-    Keys: workload, machine, systems (per system: requests, prompt/output tokens, wall_s,
+    Keys: workload, machine, repeats, systems (per system: requests, prompt/output tokens, wall_s,
     output_tps, total_tps, peak_rss_mib, extra), model_gflops_fraction_of_gemm, and when asked
     prefix_caching_speedup, batch1, ratio_output_tps (ours / transformers), ratio_output_tps_llama_cpp.
+
+    With ``repeats`` > 1 ours and each baseline run that many times, in turn, every other round in reverse order
+    (a drift of the machine's speed falls on all of them alike), each in a fresh engine or model. A system's row is
+    its run of median wall time (``extra["run_walls_s"]`` has them all), each ratio the median of the rounds'
+    ratios (listed in ``run_ratios_output_tps`` and ``run_ratios_output_tps_llama_cpp``); transformers' batch size is
+    swept in the first round only, and the prefix-caching comparison and batch 1 run there only.
     """
-    report: dict = {"workload": workload, "machine": throughput.machine_rates(config.torch_dtype)}
-    ours, llm = throughput.run_ours(config, requests)
-    results = [ours]
-    if compare_prefix_caching:
-        del llm
-        flipped = EngineConfig(**{**vars(config), "enable_prefix_caching": not config.enable_prefix_caching})
-        other, llm = throughput.run_ours(flipped, requests)
-        other.system = f"qwenbatch (prefix caching {'on' if flipped.enable_prefix_caching else 'off'})"
-        results.append(other)
-        with_cache, without = (ours, other) if config.enable_prefix_caching else (other, ours)
-        report["prefix_caching_speedup"] = without.wall_s / with_cache.wall_s
-    if batch1:
-        report["batch1"] = throughput.batch1_bandwidth(llm)
-    del llm
-    if baseline_sizes:
-        base = throughput.run_transformers(config, requests, baseline_sizes)
-        results.append(base)
-        report["ratio_output_tps"] = ours.output_tps / base.output_tps
-        report["baseline_batch_size"] = base.extra["best_batch_size"]
-    if llama_cpp:
+    if repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {repeats}")
+    report: dict = {"workload": workload, "machine": throughput.machine_rates(config.torch_dtype), "repeats": repeats}
+    ours_runs: list[throughput.SystemResult] = []
+    base_runs: list[throughput.SystemResult] = []
+    llama_runs: list[throughput.SystemResult] = []
+    extra_rows = []
+
+    def ours_run(first: bool) -> None:
+        ours, llm = throughput.run_ours(config, requests)
+        ours_runs.append(ours)
+        if first and compare_prefix_caching:
+            del llm
+            flipped = EngineConfig(**{**vars(config), "enable_prefix_caching": not config.enable_prefix_caching})
+            other, llm = throughput.run_ours(flipped, requests)
+            other.system = f"qwenbatch (prefix caching {'on' if flipped.enable_prefix_caching else 'off'})"
+            extra_rows.append(other)
+            with_cache, without = (ours, other) if config.enable_prefix_caching else (other, ours)
+            report["prefix_caching_speedup"] = without.wall_s / with_cache.wall_s
+        if first and batch1:
+            report["batch1"] = throughput.batch1_bandwidth(llm)
+
+    def transformers_run(first: bool) -> None:
+        best = None if first else base_runs[0].extra["best_batch_size"]
+        base_runs.append(throughput.run_transformers(config, requests, baseline_sizes, best))
+
+    def llama_cpp_run(first: bool) -> None:
         from qwenbatch.bench.llama_cpp import run_llama_cpp
 
-        base = run_llama_cpp(config.model, requests, config.resolved_max_num_seqs)
-        results.append(base)
-        report["ratio_output_tps_llama_cpp"] = ours.output_tps / base.output_tps
+        llama_runs.append(run_llama_cpp(config.model, requests, config.resolved_max_num_seqs))
+
+    systems = [ours_run, *([transformers_run] if baseline_sizes else []), *([llama_cpp_run] if llama_cpp else [])]
+    for repeat in range(repeats):
+        for system in systems if repeat % 2 == 0 else systems[::-1]:
+            system(first=repeat == 0)
+    ours = _median_run(ours_runs)
+    results = [ours, *extra_rows]
+    for key, runs_of in (("ratio_output_tps", base_runs), ("ratio_output_tps_llama_cpp", llama_runs)):
+        if runs_of:
+            results.append(_median_run(runs_of))
+            ratios = [a.output_tps / b.output_tps for a, b in zip(ours_runs, runs_of, strict=True)]
+            report[key], report[f"run_{key.replace('ratio', 'ratios', 1)}"] = statistics.median(ratios), ratios
+    if base_runs:
+        report["baseline_batch_size"] = base_runs[0].extra["best_batch_size"]
     # The matmul rate again after the runs; the better of the two is the machine's rate.
     gemm = max(report["machine"]["gemm_2048_gflops"], throughput.machine_rates(config.torch_dtype)["gemm_2048_gflops"])
     report["machine"]["gemm_2048_gflops"] = gemm
     report["systems"] = [r.to_dict() for r in results]
     report["model_gflops_fraction_of_gemm"] = ours.extra["model_gflops"] / gemm
     return report
+
+
+def _median_run(runs: list[throughput.SystemResult]) -> throughput.SystemResult:
+    """The run of median wall time (the faster of the middle two where there is an even number), with every run's
+    wall time in ``extra["run_walls_s"]``."""
+    median = sorted(runs, key=lambda r: r.wall_s)[(len(runs) - 1) // 2]
+    median.extra["run_walls_s"] = [r.wall_s for r in runs]
+    return median
 
 
 def usd_per_million_output_tokens(output_tps: float, price_per_hour: float) -> float:
@@ -101,13 +136,18 @@ def format_report(report: dict) -> str:
         f"{100 * report['model_gflops_fraction_of_gemm']:.0f}% of a 2048^3 {m['gemm_dtype']} matmul "
         f"({m['gemm_2048_gflops']:.1f} GFLOP/s); prefix-cache hit rate {ours['prefix_cache_hit_rate']:.1%}"
     )
+    if report.get("repeats", 1) > 1:
+        lines.append(f"each system's run of median wall time of {report['repeats']}, run in turn; ratios: medians")
     if "ratio_output_tps" in report:
         lines.append(
             f"ratio output tok/s (ours / transformers at batch {report['baseline_batch_size']}): "
-            f"{report['ratio_output_tps']:.2f}"
+            f"{report['ratio_output_tps']:.2f}" + _per_run(report, "run_ratios_output_tps")
         )
     if "ratio_output_tps_llama_cpp" in report:
-        lines.append(f"ratio output tok/s (ours / llama.cpp): {report['ratio_output_tps_llama_cpp']:.2f}")
+        lines.append(
+            f"ratio output tok/s (ours / llama.cpp): {report['ratio_output_tps_llama_cpp']:.2f}"
+            + _per_run(report, "run_ratios_output_tps_llama_cpp")
+        )
     attention = f"; prefill attention: {ours['prefill_attention']}" if "prefill_attention" in ours else ""
     attention += f"; decode attention: {ours['decode_attention']}" if "decode_attention" in ours else ""
     lines.append(f"linears: {ours['linear_kernels']}{attention} on {ours['device']}")
@@ -126,3 +166,9 @@ def format_report(report: dict) -> str:
             f"({b['copy_bandwidth_gbs']:.1f} GB/s)"
         )
     return "\n".join(lines)
+
+
+def _per_run(report: dict, key: str) -> str:
+    """The rounds' ratios under ``key`` as " (runs: 2.62, 2.91, 2.97)", where the report has more than one."""
+    ratios = report.get(key, [])
+    return f" (runs: {', '.join(f'{r:.2f}' for r in ratios)})" if len(ratios) > 1 else ""

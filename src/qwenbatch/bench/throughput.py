@@ -93,15 +93,20 @@ def run_ours(config: EngineConfig, requests: list[BenchRequest], llm=None) -> tu
     return result, llm
 
 
-def run_transformers(config: EngineConfig, requests: list[BenchRequest], sizes: list[int]) -> SystemResult:
-    """The baseline at its best batch size of a sweep over ``sizes``."""
+def run_transformers(
+    config: EngineConfig, requests: list[BenchRequest], sizes: list[int], batch_size: int | None = None
+) -> SystemResult:
+    """The baseline at ``batch_size``, or at its best batch size of a sweep over ``sizes``."""
     from qwenbatch.bench.baseline import best_batch_size, load_hf_model, pad_token_id, run_static
     from qwenbatch.loader import resolve_model_dir
 
     with PeakRSS() as rss:
         model = load_hf_model(resolve_model_dir(config.model), config.torch_dtype)
         pad_id = pad_token_id(model)
-        best, sweep = best_batch_size(model, requests, sizes, pad_id)
+        if batch_size is None:
+            best, sweep = best_batch_size(model, requests, sizes, pad_id)
+        else:
+            best, sweep = batch_size, []
         run = run_static(model, requests, best, pad_id)
     del model
     extra = {

@@ -39,6 +39,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="USD",
         help="the machine's hourly price in dollars: also print and record each system's $ per 1M output tokens",
     )
+    tp.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run ours and each baseline this many times, in turn, every other round in reverse order; report each "
+        "system's median run and the median of the rounds' ratios (for a machine whose speed drifts)",
+    )
     tp.add_argument("--output", type=Path, help="write the results as JSON here")
     add_engine_args(tp)
     tp.set_defaults(func=run)
@@ -76,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.price_per_hour is not None:
         check_price_per_hour(args.price_per_hour)  # before the run, not after minutes of it
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     config = engine_config_from_args(args)
     vocab = model_config_of(config).vocab_size  # random prompt tokens must fit the model's vocabulary
     if args.workload == "random":
@@ -87,7 +96,14 @@ def run(args: argparse.Namespace) -> int:
     baselines = args.baseline or []
     sizes = [int(s) for s in args.baseline_batch_sizes.split(",")] if "transformers" in baselines else None
     report = throughput_report(
-        config, args.workload, requests, sizes, args.compare_prefix_caching, args.batch1, "llama.cpp" in baselines
+        config,
+        args.workload,
+        requests,
+        sizes,
+        args.compare_prefix_caching,
+        args.batch1,
+        "llama.cpp" in baselines,
+        args.repeats,
     )
     if args.price_per_hour is not None:
         add_costs(report, args.price_per_hour)
