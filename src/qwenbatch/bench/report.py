@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
 import statistics
+from concurrent.futures import ProcessPoolExecutor
 
 from qwenbatch.bench import throughput
 from qwenbatch.bench.workloads import BenchRequest
@@ -27,7 +29,7 @@ def throughput_report(
     prefix_caching_speedup, batch1, ratio_output_tps (ours / transformers), ratio_output_tps_llama_cpp.
 
     With ``repeats`` > 1 ours and each baseline run that many times, in turn, every other round in reverse order
-    (a drift of the machine's speed falls on all of them alike), each in a fresh engine or model. A system's row is
+    (a drift of the machine's speed falls on all of them alike), each in a fresh process. A system's row is
     its run of median wall time (``extra["run_walls_s"]`` has them all), each ratio the median of the rounds'
     ratios (listed in ``run_ratios_output_tps`` and ``run_ratios_output_tps_llama_cpp``); transformers' batch size is
     swept in the first round only, and the prefix-caching comparison and batch 1 run there only.
@@ -39,31 +41,34 @@ def throughput_report(
     base_runs: list[throughput.SystemResult] = []
     llama_runs: list[throughput.SystemResult] = []
     extra_rows = []
+    isolated = repeats > 1
 
-    def ours_run(first: bool) -> None:
-        ours, llm = throughput.run_ours(config, requests)
-        ours_runs.append(ours)
-        if first and compare_prefix_caching:
-            del llm
-            flipped = EngineConfig(**{**vars(config), "enable_prefix_caching": not config.enable_prefix_caching})
-            other, llm = throughput.run_ours(flipped, requests)
-            other.system = f"qwenbatch (prefix caching {'on' if flipped.enable_prefix_caching else 'off'})"
-            extra_rows.append(other)
-            with_cache, without = (ours, other) if config.enable_prefix_caching else (other, ours)
-            report["prefix_caching_speedup"] = without.wall_s / with_cache.wall_s
-        if first and batch1:
-            report["batch1"] = throughput.batch1_bandwidth(llm)
+    def ours_once(first: bool) -> None:
+        run = _call(
+            isolated,
+            throughput.run_ours_and_extras,
+            config,
+            requests,
+            first and compare_prefix_caching,
+            first and batch1,
+        )
+        ours_runs.append(run.result)
+        if run.flipped is not None:
+            extra_rows.append(run.flipped)
+            report["prefix_caching_speedup"] = run.prefix_caching_speedup
+        if run.batch1 is not None:
+            report["batch1"] = run.batch1
 
-    def transformers_run(first: bool) -> None:
+    def transformers_once(first: bool) -> None:
         best = None if first else base_runs[0].extra["best_batch_size"]
-        base_runs.append(throughput.run_transformers(config, requests, baseline_sizes, best))
+        base_runs.append(_call(isolated, throughput.run_transformers, config, requests, baseline_sizes, best))
 
-    def llama_cpp_run(first: bool) -> None:
+    def llama_cpp_once(first: bool) -> None:
         from qwenbatch.bench.llama_cpp import run_llama_cpp
 
-        llama_runs.append(run_llama_cpp(config.model, requests, config.resolved_max_num_seqs))
+        llama_runs.append(_call(isolated, run_llama_cpp, config.model, requests, config.resolved_max_num_seqs))
 
-    systems = [ours_run, *([transformers_run] if baseline_sizes else []), *([llama_cpp_run] if llama_cpp else [])]
+    systems = [ours_once, *([transformers_once] if baseline_sizes else []), *([llama_cpp_once] if llama_cpp else [])]
     for repeat in range(repeats):
         for system in systems if repeat % 2 == 0 else systems[::-1]:
             system(first=repeat == 0)
@@ -84,11 +89,22 @@ def throughput_report(
     return report
 
 
+def _call(isolated: bool, fn, *args):
+    """``fn(*args)``; where ``isolated``, in a fresh spawned process, so that no run inherits another's state (in
+    one process, cpu-mixed ran ~6% slower on our engine after a transformers run than before any: 21.2 against
+    20.0 s) and each system's peak RSS is its own."""
+    if not isolated:
+        return fn(*args)
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def _median_run(runs: list[throughput.SystemResult]) -> throughput.SystemResult:
     """The run of median wall time (the faster of the middle two where there is an even number), with every run's
-    wall time in ``extra["run_walls_s"]``."""
+    wall time and end in ``extra["run_walls_s"]`` and ``extra["runs_finished_at"]``."""
     median = sorted(runs, key=lambda r: r.wall_s)[(len(runs) - 1) // 2]
     median.extra["run_walls_s"] = [r.wall_s for r in runs]
+    median.extra["runs_finished_at"] = [r.finished_at for r in runs]
     return median
 
 

@@ -27,6 +27,7 @@ class SystemResult:
     wall_s: float
     peak_rss_mib: float
     extra: dict = field(default_factory=dict)
+    finished_at: float = field(default_factory=time.time)  # seconds since the epoch, when the result was made
 
     @property
     def output_tps(self) -> float:
@@ -91,6 +92,34 @@ def run_ours(config: EngineConfig, requests: list[BenchRequest], llm=None) -> tu
         extra.update(gpu_memory_report(gpu, llm.engine, peak_kv))
     result = SystemResult("qwenbatch", len(requests), prompt_tokens, produced, wall, rss.peak_mib, extra)
     return result, llm
+
+
+@dataclass
+class OursRun:
+    """One run of ours, and what was asked beside it on the same engine."""
+
+    result: SystemResult
+    flipped: SystemResult | None = None  # ours again with prefix caching the other way
+    prefix_caching_speedup: float | None = None
+    batch1: dict | None = None
+
+
+def run_ours_and_extras(
+    config: EngineConfig, requests: list[BenchRequest], compare_prefix_caching: bool = False, batch1: bool = False
+) -> OursRun:
+    """``run_ours``, then, where asked, ours with prefix caching flipped and batch-1 decode (on the last engine)."""
+    result, llm = run_ours(config, requests)
+    run = OursRun(result)
+    if compare_prefix_caching:
+        del llm
+        flipped = EngineConfig(**{**vars(config), "enable_prefix_caching": not config.enable_prefix_caching})
+        run.flipped, llm = run_ours(flipped, requests)
+        run.flipped.system = f"qwenbatch (prefix caching {'on' if flipped.enable_prefix_caching else 'off'})"
+        with_cache, without = (result, run.flipped) if config.enable_prefix_caching else (run.flipped, result)
+        run.prefix_caching_speedup = without.wall_s / with_cache.wall_s
+    if batch1:
+        run.batch1 = batch1_bandwidth(llm)
+    return run
 
 
 def run_transformers(
