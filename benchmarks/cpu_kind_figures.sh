@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 15's figures for the CPU kind this machine is, in one run (~40 min on 2 cores, plus ~9 min the first time
+# Issue 15's figures for the CPU kind this machine is, in one run (~50 min on 2 cores, plus ~9 min the first time
 # to build llama.cpp): made for the first session on a kind no session has measured yet (the AMX kind), so that
 # every target is measured side by side before anything changes. Run nothing else meanwhile. Never run by CI.
 #
@@ -32,9 +32,9 @@ log "beside llama.cpp: 1 / 16 / 64 sequences, batch-1 decode, prefill of 1,024 /
 $py benchmarks/llama_cpp_compare.py --quantization int8 --parallel 1,16,64 --prefill-lens 1024,4096,8192 \
   --batch1-pairs 5 --parallel-pairs 2 --output $out/llama-cpp-compare-int8-$kind.json >/dev/null
 
-log "cpu-mixed beside transformers, both in the default dtype (bf16 where the CPU has it), then ours in int8"
-$qb bench throughput --workload cpu-mixed --baseline transformers --output $out/throughput-cpu-mixed-$kind.json |
-  grep -v 'it/s\]'
+log "cpu-mixed beside transformers, both in the default dtype (bf16 where the CPU has it), 3 rounds; then ours in int8"
+$qb bench throughput --workload cpu-mixed --baseline transformers --repeats 3 \
+  --output $out/throughput-cpu-mixed-$kind.json | grep -v 'it/s\]'
 $qb bench throughput --workload cpu-mixed --quantization int8 --output $out/throughput-cpu-mixed-int8-$kind.json |
   grep -v 'it/s\]'
 

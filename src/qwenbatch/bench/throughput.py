@@ -49,6 +49,14 @@ def matmul_params(cfg: ModelConfig) -> tuple[int, int]:
     return per_layer * cfg.num_hidden_layers, cfg.vocab_size * h
 
 
+def warm_up(llm) -> int:
+    """A 16-token prompt and 2 tokens on ``llm``, so that a timed run does not pay the first calls' costs; returns
+    the prompt's first token id (the prompt counts up from it)."""
+    base = min(1000, llm.engine.model_config.vocab_size // 4)
+    llm.generate([[base + i for i in range(16)]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    return base
+
+
 def run_ours(config: EngineConfig, requests: list[BenchRequest], llm=None) -> tuple[SystemResult, object]:
     """Run ``requests`` on our engine (greedy, eos ignored); returns the result and the LLM for reuse."""
     from qwenbatch.llm import LLM
@@ -57,6 +65,7 @@ def run_ours(config: EngineConfig, requests: list[BenchRequest], llm=None) -> tu
     with PeakRSS() as rss:
         llm = llm or LLM(**vars(config))
         on_gpu = llm.engine.device.type == "cuda"
+        warm_up(llm)  # as the baseline is: its batch-size sweep, or a warm-up, runs before its timed run
         bm = llm.engine.block_manager
         hits0, queries0, preempt0 = bm.prefix_cache_hits, bm.prefix_cache_queries, llm.engine.scheduler.num_preemptions
         params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=r.ignore_eos) for r in requests]
@@ -126,17 +135,18 @@ def run_transformers(
     config: EngineConfig, requests: list[BenchRequest], sizes: list[int], batch_size: int | None = None
 ) -> SystemResult:
     """The baseline at ``batch_size``, or at its best batch size of a sweep over ``sizes``."""
-    from qwenbatch.bench.baseline import best_batch_size, load_hf_model, pad_token_id, run_static
+    from qwenbatch.bench import baseline
     from qwenbatch.loader import resolve_model_dir
 
     with PeakRSS() as rss:
-        model = load_hf_model(resolve_model_dir(config.model), config.torch_dtype)
-        pad_id = pad_token_id(model)
+        model = baseline.load_hf_model(resolve_model_dir(config.model), config.torch_dtype)
+        pad_id = baseline.pad_token_id(model)
         if batch_size is None:
-            best, sweep = best_batch_size(model, requests, sizes, pad_id)
+            best, sweep = baseline.best_batch_size(model, requests, sizes, pad_id)
         else:
             best, sweep = batch_size, []
-        run = run_static(model, requests, best, pad_id)
+            baseline.warm_up(model, best, pad_id)
+        run = baseline.run_static(model, requests, best, pad_id)
     del model
     extra = {
         "best_batch_size": best,
@@ -154,8 +164,7 @@ def batch1_bandwidth(llm, output_len: int = 48) -> dict:
     layer_params, head_params = matmul_params(llm.engine.model_config)
     weight_bytes = (layer_params + head_params) * torch.tensor([], dtype=llm.engine.dtype).element_size()
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    base = min(1000, llm.engine.model_config.vocab_size // 4)
-    llm.generate([[base + i for i in range(16)]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    base = warm_up(llm)
     start = time.perf_counter()
     llm.generate([[base + 2 * i for i in range(16)]], params, use_tqdm=False)
     steps_per_s = output_len / (time.perf_counter() - start)  # the prefill step is one of them
