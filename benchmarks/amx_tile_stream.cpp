@@ -92,7 +92,9 @@ double overlap_gbs(const char* buf, size_t bytes, int products, bool stream) {
     const size_t per = bytes / omp_get_num_threads();
     const char *p = buf + omp_get_thread_num() * per, *end = p + per;
     static const TileConfig config;  // static: built at compile time (GCC 12 dropped stores to a stack copy)
-    alignas(64) static const uint16_t operand[512] = {};
+    // Not zeros: products of zero tiles ran ~1.2x faster here (57.4 against 49.4 GB/s-equivalent at 4 a KB).
+    alignas(64) uint16_t operand[512];
+    std::fill(operand, operand + 512, uint16_t{0x3f80});  // bf16 1.0
     _tile_loadconfig(&config);
     _tile_loadd(4, operand, 64);
     _tile_loadd(5, operand, 64);
