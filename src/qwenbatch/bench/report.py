@@ -22,14 +22,15 @@ def throughput_report(
     llama_cpp: bool = False,
     repeats: int = 1,
 ) -> dict:
-    """Run ours (and optionally ours without prefix caching, batch 1, transformers) in this process.
+    """Run ours (and optionally ours without prefix caching, batch 1, transformers, llama.cpp): in this process
+    where ours runs alone, else each system's run in a fresh process of its own.
 
     Keys: workload, machine, repeats, systems (per system: requests, prompt/output tokens, wall_s,
     output_tps, total_tps, peak_rss_mib, extra), model_gflops_fraction_of_gemm, and when asked
     prefix_caching_speedup, batch1, ratio_output_tps (ours / transformers), ratio_output_tps_llama_cpp.
 
     With ``repeats`` > 1 ours and each baseline run that many times, in turn, every other round in reverse order
-    (a drift of the machine's speed falls on all of them alike), each in a fresh process. A system's row is
+    (a drift of the machine's speed falls on all of them alike). A system's row is
     its run of median wall time (``extra["run_walls_s"]`` has them all), each ratio the median of the rounds'
     ratios (listed in ``run_ratios_output_tps`` and ``run_ratios_output_tps_llama_cpp``); transformers' batch size is
     swept in the first round only, and the prefix-caching comparison and batch 1 run there only.
@@ -41,7 +42,6 @@ def throughput_report(
     base_runs: list[throughput.SystemResult] = []
     llama_runs: list[throughput.SystemResult] = []
     extra_rows = []
-    isolated = repeats > 1
 
     def ours_once(first: bool) -> None:
         run = _call(
@@ -69,6 +69,7 @@ def throughput_report(
         llama_runs.append(_call(isolated, run_llama_cpp, config.model, requests, config.resolved_max_num_seqs))
 
     systems = [ours_once, *([transformers_once] if baseline_sizes else []), *([llama_cpp_once] if llama_cpp else [])]
+    isolated = repeats > 1 or len(systems) > 1
     for repeat in range(repeats):
         for system in systems if repeat % 2 == 0 else systems[::-1]:
             system(first=repeat == 0)
