@@ -30,10 +30,10 @@ def throughput_report(
     prefix_caching_speedup, batch1, ratio_output_tps (ours / transformers), ratio_output_tps_llama_cpp.
 
     With ``repeats`` > 1 ours and each baseline run that many times, in turn, every other round in reverse order
-    (a drift of the machine's speed falls on all of them alike). A system's row is
-    its run of median wall time (``extra["run_walls_s"]`` has them all), each ratio the median of the rounds'
-    ratios (listed in ``run_ratios_output_tps`` and ``run_ratios_output_tps_llama_cpp``); transformers' batch size is
-    swept in the first round only, and the prefix-caching comparison and batch 1 run there only.
+    (a drift of the machine's speed falls on all of them alike). A system's row is its run of median wall time
+    (``extra["run_walls_s"]`` has them all), each ratio the median of the rounds' ratios (listed in
+    ``run_ratios_output_tps`` and ``run_ratios_output_tps_llama_cpp``); transformers' batch size is swept in the
+    first round only, and the prefix-caching comparison and batch 1 run there only.
     """
     if repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {repeats}")
@@ -42,6 +42,7 @@ def throughput_report(
     base_runs: list[throughput.SystemResult] = []
     llama_runs: list[throughput.SystemResult] = []
     extra_rows = []
+    isolated = repeats > 1 or bool(baseline_sizes) or llama_cpp
 
     def ours_once(first: bool) -> None:
         run = _call(
@@ -69,17 +70,19 @@ def throughput_report(
         llama_runs.append(_call(isolated, run_llama_cpp, config.model, requests, config.resolved_max_num_seqs))
 
     systems = [ours_once, *([transformers_once] if baseline_sizes else []), *([llama_cpp_once] if llama_cpp else [])]
-    isolated = repeats > 1 or len(systems) > 1
     for repeat in range(repeats):
         for system in systems if repeat % 2 == 0 else systems[::-1]:
             system(first=repeat == 0)
     ours = _median_run(ours_runs)
     results = [ours, *extra_rows]
-    for key, runs_of in (("ratio_output_tps", base_runs), ("ratio_output_tps_llama_cpp", llama_runs)):
+    for key, runs_key, runs_of in (
+        ("ratio_output_tps", "run_ratios_output_tps", base_runs),
+        ("ratio_output_tps_llama_cpp", "run_ratios_output_tps_llama_cpp", llama_runs),
+    ):
         if runs_of:
             results.append(_median_run(runs_of))
-            ratios = [a.output_tps / b.output_tps for a, b in zip(ours_runs, runs_of, strict=True)]
-            report[key], report[f"run_{key.replace('ratio', 'ratios', 1)}"] = statistics.median(ratios), ratios
+            report[runs_key] = [a.output_tps / b.output_tps for a, b in zip(ours_runs, runs_of, strict=True)]
+            report[key] = statistics.median(report[runs_key])
     if base_runs:
         report["baseline_batch_size"] = base_runs[0].extra["best_batch_size"]
     # The matmul rate again after the runs; the better of the two is the machine's rate.
