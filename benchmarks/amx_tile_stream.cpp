@@ -2,8 +2,8 @@
 // with plain vector loads, with tile loads feeding a fixed number of tile products, and as an M-row linear
 // (x read in place, weights in 1 KB B tiles). BENCHMARKS.md, "Decode attention on AMX tiles" has the figures.
 // `overlap` asks whether a core streams memory while its tile products run: the stream alone, the products alone
-// (ROWS / 16 a KB, on tiles loaded once) and the two interleaved; BENCHMARKS.md, "Why a decode step's linears
-// stay at ~16 GB/s on AMX". Never run by CI.
+// (ROWS / 16 a KB, on tiles loaded once) and the two interleaved; BENCHMARKS.md, "Side by side in fresh
+// processes", has the figures. Never run by CI.
 //
 //   g++ -O2 -march=native -fopenmp benchmarks/amx_tile_stream.cpp -o /tmp/amx_tile_stream
 //   OMP_NUM_THREADS=2 /tmp/amx_tile_stream stream|tiles2|tiles4 [prefetch bytes ahead]
