@@ -39,7 +39,7 @@ $qb bench throughput --workload cpu-mixed --quantization int8 --output $out/thro
   grep -v 'it/s\]'
 
 log "reranking beside the model card's transformers code"
-$py benchmarks/rerank_speed.py --dtype bfloat16 --docs 64 --queries 4x16 --batch-sizes 1,2,4,8 \
+$py benchmarks/rerank_speed.py --dtype bfloat16 --repeats 3 --docs 64 --queries 4x16 --batch-sizes 1,2,4,8 \
   --output $out/rerank-bf16-$kind.json
 $py benchmarks/rerank_speed.py --dtype bfloat16 --quantization int8 --docs 64 --queries 4x16 --batch-sizes 1,2,4,8 \
   --output $out/rerank-int8-$kind.json

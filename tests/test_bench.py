@@ -76,6 +76,10 @@ def test_bench_throughput_repeats_each_system_in_turn_and_reports_the_medians(ti
         assert len(walls) == 3 and system["wall_s"] == sorted(walls)[1]
     ratios = report["run_ratios_output_tps"]
     assert len(ratios) == 3 and report["ratio_output_tps"] == statistics.median(ratios)
+    # The matmul rate is sampled before and after every run, the fastest sample dividing the model's FLOP/s.
+    samples = report["machine"]["gemm_2048_gflops_samples"]
+    assert len(samples) == 1 + 6 and report["machine"]["gemm_2048_gflops"] == max(samples)
+    assert report["model_gflops_fraction_of_gemm"] == ours["extra"]["model_gflops"] / max(samples)
 
 
 def test_bench_throughput_refuses_zero_repeats_before_running(capsys, tmp_path):

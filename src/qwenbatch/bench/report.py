@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import multiprocessing
 import statistics
-from concurrent.futures import ProcessPoolExecutor
 
 from qwenbatch.bench import throughput
+from qwenbatch.bench.isolation import alternating_rounds, in_fresh_process
+from qwenbatch.bench.machine import gemm_gflops
 from qwenbatch.bench.workloads import BenchRequest
 from qwenbatch.config import EngineConfig
 
@@ -37,7 +37,9 @@ def throughput_report(
     """
     if repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {repeats}")
-    report: dict = {"workload": workload, "machine": throughput.machine_rates(config.torch_dtype), "repeats": repeats}
+    gemm_samples = [gemm_gflops(config.torch_dtype)]
+    report: dict = {"workload": workload, "machine": {"gemm_dtype": str(config.torch_dtype).removeprefix("torch.")}}
+    report["repeats"] = repeats
     ours_runs: list[throughput.SystemResult] = []
     base_runs: list[throughput.SystemResult] = []
     llama_runs: list[throughput.SystemResult] = []
@@ -70,9 +72,9 @@ def throughput_report(
         llama_runs.append(_call(isolated, run_llama_cpp, config.model, requests, config.resolved_max_num_seqs))
 
     systems = [ours_once, *([transformers_once] if baseline_sizes else []), *([llama_cpp_once] if llama_cpp else [])]
-    for repeat in range(repeats):
-        for system in systems if repeat % 2 == 0 else systems[::-1]:
-            system(first=repeat == 0)
+    for round_, system in alternating_rounds(systems, repeats):
+        system(first=round_ == 0)
+        gemm_samples.append(gemm_gflops(config.torch_dtype))
     ours = _median_run(ours_runs)
     results = [ours, *extra_rows]
     for key, runs_key, runs_of in (
@@ -85,22 +87,18 @@ def throughput_report(
             report[key] = statistics.median(report[runs_key])
     if base_runs:
         report["baseline_batch_size"] = base_runs[0].extra["best_batch_size"]
-    # The matmul rate again after the runs; the better of the two is the machine's rate.
-    gemm = max(report["machine"]["gemm_2048_gflops"], throughput.machine_rates(config.torch_dtype)["gemm_2048_gflops"])
-    report["machine"]["gemm_2048_gflops"] = gemm
+    # The matmul rate before and after every run: the host's speed drifts by ±8% between runs, and the fastest
+    # sample is the machine's rate, which the model's FLOP/s is a fraction of.
+    gemm = max(gemm_samples)
+    report["machine"].update(gemm_2048_gflops=gemm, gemm_2048_gflops_samples=gemm_samples)
     report["systems"] = [r.to_dict() for r in results]
     report["model_gflops_fraction_of_gemm"] = ours.extra["model_gflops"] / gemm
     return report
 
 
 def _call(isolated: bool, fn, *args):
-    """``fn(*args)``; where ``isolated``, in a fresh spawned process, so that no run inherits another's state (in
-    one process, cpu-mixed ran ~6% slower on our engine after a transformers run than before any: 21.2 against
-    20.0 s) and each system's peak RSS is its own."""
-    if not isolated:
-        return fn(*args)
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
+    """``fn(*args)``, in a fresh process where ``isolated``."""
+    return in_fresh_process(fn, *args) if isolated else fn(*args)
 
 
 def _median_run(runs: list[throughput.SystemResult]) -> throughput.SystemResult:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from qwenbatch.bench.machine import PeakGPUMemory, PeakRSS, copy_bandwidth_gbs, gemm_gflops, gpu_memory_report
+from qwenbatch.bench.machine import PeakGPUMemory, PeakRSS, copy_bandwidth_gbs, gpu_memory_report
 from qwenbatch.bench.workloads import BenchRequest
 from qwenbatch.config import EngineConfig
 from qwenbatch.models.config import ModelConfig
@@ -177,7 +177,3 @@ def batch1_bandwidth(llm, output_len: int = 48) -> dict:
         "copy_bandwidth_gbs": copy,
         "fraction_of_copy": achieved / copy,
     }
-
-
-def machine_rates(dtype: torch.dtype) -> dict:
-    return {"gemm_2048_gflops": gemm_gflops(dtype), "gemm_dtype": str(dtype).removeprefix("torch.")}
