@@ -256,6 +256,19 @@ def test_iteration_stats_count_tokens_and_finished_requests(tiny_qwen3):
     assert (sched.num_running, sched.num_waiting, sched.kv_cache_usage) == (0, 0, 0.0)
 
 
+def test_warm_up_runs_to_its_end_leaves_no_stats_and_refuses_a_busy_engine(tiny_qwen3):
+    llm = LLM(model=str(tiny_qwen3), dtype="float32", kv_cache_memory=32 * 2**20)
+    engine = llm.engine
+    engine.warm_up()
+    assert not engine.has_unfinished() and engine.num_unfinished_requests == 0
+    assert engine.take_iteration_stats().num_batched_tokens == 0  # the warm-up's steps are not the next run's
+    assert engine.scheduler_stats().kv_cache_usage == 0.0
+    engine.add_request("queued", mixed_prompts(1)[0], GREEDY)
+    with pytest.raises(RuntimeError, match="idle engine"):
+        engine.warm_up()
+    assert engine.num_unfinished_requests == 1  # the caller's request is untouched
+
+
 def test_update_limits_validates_and_applies(tiny_qwen3):
     llm = LLM(model=str(tiny_qwen3), dtype="float32", kv_cache_memory=32 * 2**20)
     engine = llm.engine

@@ -49,14 +49,6 @@ def matmul_params(cfg: ModelConfig) -> tuple[int, int]:
     return per_layer * cfg.num_hidden_layers, cfg.vocab_size * h
 
 
-def warm_up(llm) -> int:
-    """A 16-token prompt and 2 tokens on ``llm``, so that a timed run does not pay the first calls' costs; returns
-    the prompt's first token id (the prompt counts up from it)."""
-    base = min(1000, llm.engine.model_config.vocab_size // 4)
-    llm.generate([[base + i for i in range(16)]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
-    return base
-
-
 def run_ours(config: EngineConfig, requests: list[BenchRequest], llm=None) -> tuple[SystemResult, object]:
     """Run ``requests`` on our engine (greedy, eos ignored); returns the result and the LLM for reuse."""
     from qwenbatch.llm import LLM
@@ -65,7 +57,7 @@ def run_ours(config: EngineConfig, requests: list[BenchRequest], llm=None) -> tu
     with PeakRSS() as rss:
         llm = llm or LLM(**vars(config))
         on_gpu = llm.engine.device.type == "cuda"
-        warm_up(llm)  # as the baseline is: its batch-size sweep, or a warm-up, runs before its timed run
+        llm.engine.warm_up()  # as the baseline is: its batch-size sweep, or a warm-up, runs before its timed run
         bm = llm.engine.block_manager
         hits0, queries0, preempt0 = bm.prefix_cache_hits, bm.prefix_cache_queries, llm.engine.scheduler.num_preemptions
         params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=r.ignore_eos) for r in requests]
@@ -160,13 +152,16 @@ def run_transformers(
 
 def batch1_bandwidth(llm, output_len: int = 48) -> dict:
     """Batch-1 decode: weight bytes read per step x steps/s, beside the measured copy bandwidth."""
+    from qwenbatch.engine.llm_engine import WARM_UP_FIRST_TOKEN
+
     # Every matmul weight is read once a step; the embedding only one row per token.
     layer_params, head_params = matmul_params(llm.engine.model_config)
     weight_bytes = (layer_params + head_params) * torch.tensor([], dtype=llm.engine.dtype).element_size()
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    base = warm_up(llm)
+    llm.engine.warm_up()
+    first = min(WARM_UP_FIRST_TOKEN, llm.engine.model_config.vocab_size // 4)
     start = time.perf_counter()
-    llm.generate([[base + 2 * i for i in range(16)]], params, use_tqdm=False)
+    llm.generate([[first + 2 * i for i in range(16)]], params, use_tqdm=False)  # no prefix of the warm-up's
     steps_per_s = output_len / (time.perf_counter() - start)  # the prefill step is one of them
     achieved = weight_bytes * steps_per_s / 1e9
     copy = copy_bandwidth_gbs()

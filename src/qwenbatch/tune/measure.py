@@ -97,8 +97,7 @@ def measure_engine(config: EngineConfig, requests: list[BenchRequest]) -> Measur
     from qwenbatch.sampling_params import SamplingParams
 
     engine = LLMEngine(config)
-    _warm_up(engine)
-    engine.take_iteration_stats()
+    engine.warm_up()
     latencies, ttfts, failed, preemptions, peak_kv = [], [], 0, 0, 0.0
     produced = 0
     on_gpu = engine.device.type == "cuda"
@@ -133,16 +132,6 @@ def measure_engine(config: EngineConfig, requests: list[BenchRequest]) -> Measur
         preemptions=preemptions,
         **_timing_fields(latencies, ttfts),
     )
-
-
-def _warm_up(engine) -> None:
-    """One short request first, so one-time costs (kernel selection, first allocations) stay out of the run."""
-    from qwenbatch.sampling_params import SamplingParams
-
-    base = min(1000, engine.model_config.vocab_size // 4)
-    engine.add(engine.inputs.make_request("tune-warmup", [base + i for i in range(8)], SamplingParams(max_tokens=2)))
-    while engine.has_unfinished():
-        engine.step()
 
 
 def measure_static(config: EngineConfig, requests: list[BenchRequest]) -> Measurement:
