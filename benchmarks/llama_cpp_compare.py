@@ -163,7 +163,14 @@ def main() -> None:
     report["parallel"] = rows
     if args.batch1_pairs:
         # On a shared machine the speed drifts between runs: alternate the two, compare each pair.
-        pairs = [(llama_batched(256, 64, [1])[1]["speed_tg"], ours_decode_tps(llm)) for _ in range(args.batch1_pairs)]
+        # The read bandwidth, too, moves with the host (42-82 GB/s between runs on one machine): it is sampled before
+        # and after every pair, and the fastest sample divides.
+        pairs, reads = [], [report["read_bandwidth_gbs"]]
+        for _ in range(args.batch1_pairs):
+            pairs.append((llama_batched(256, 64, [1])[1]["speed_tg"], ours_decode_tps(llm)))
+            reads.append(read_bandwidth_gbs())
+        report["read_bandwidth_gbs_samples"] = reads
+        report["read_bandwidth_gbs"] = max(reads)
         decode_theirs = statistics.median(t for t, _ in pairs)
         decode_ours = statistics.median(o for _, o in pairs)
         weight_bytes = linear_weight_bytes(llm.engine.runner.model, dtype)
