@@ -49,7 +49,7 @@ def test_fused_decode_steps_give_the_layers_own_tokens_and_logprobs(request, che
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_step_mixing_fused_and_unfused_layers_gives_the_same_tokens(tiny_qwen2, dtype):
-    """Layers hand on (output, residual) and a fused layer the summed hidden states: a decode step in which every
+    """Layers hand on (output, residual), fused or not: a decode step in which every
     other layer runs its own forward crosses between the two both ways and must give the same bits."""
     if dtype == "bfloat16" and not onednn_available(torch.bfloat16, torch.device("cpu")):
         pytest.skip("oneDNN packs bf16 linears only where the CPU multiplies bf16 natively")

@@ -70,9 +70,18 @@ class FusedDecodeLayer:
         bucket = row_bucket(meta.num_decodes)
         return not any(bucket in m.pieces_at for m in self._packed)
 
-    def __call__(self, x, rope: Rope, kv_cache, meta: KernelAttentionMetadata):
+    def __call__(self, x, residual, rope: Rope, kv_cache, meta: KernelAttentionMetadata):
+        """The layer's forward (``QwenDecoderLayer.forward``): (output, residual) for ``x + residual``."""
         return kernels().decode_layer(
-            x, self.weights, rope.cos, rope.sin, kv_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_lens
+            x,
+            residual,
+            self.weights,
+            rope.cos,
+            rope.sin,
+            kv_cache,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_lens,
         )
 
 

@@ -60,7 +60,7 @@ class QwenDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = QwenMLP(cfg)
         # Set by the loader where a kernel runs the whole layer for some steps (layers/fused_decode.py): it
-        # says which (``accepts(meta)``) and returns this forward's output and residual summed.
+        # says which (``accepts(meta)``) and returns what this forward returns.
         self.fused_decode = None
 
     def forward(
@@ -74,10 +74,9 @@ class QwenDecoderLayer(nn.Module):
         """The layer on the hidden states ``x + residual`` (``x`` alone where ``residual`` is None), returned the same
         way: the MLP's output and the residual stream it is still to be added to, so that each residual add runs in
         the norm after it (``RMSNorm.add_and_norm``). The residual stream is updated in place: ``residual``, or ``x``
-        where it is None. A fused decode layer returns the summed hidden states and None."""
+        where it is None. A fused decode layer (``fused_decode``) computes the same, the same way."""
         if self.fused_decode is not None and self.fused_decode.accepts(meta):
-            hidden = x if residual is None else x + residual
-            return self.fused_decode(hidden, rope, kv_cache, meta), None
+            return self.fused_decode(x, residual, rope, kv_cache, meta)
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:

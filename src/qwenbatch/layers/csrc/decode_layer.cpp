@@ -1,7 +1,7 @@
 // One decoder layer of a step in which every row decodes, in one call: at batch 1 a layer's ~35 PyTorch and
 // Python operations around its kernels cost about as much as its attention (~3 ms of a 20 ms step), so the
 // layer is sequenced here. Each stage is the kernel the unfused layer calls, with the same rounding steps;
-// the residual adds round to the storage dtype as PyTorch's do.
+// each residual add runs in the norm after it (add_rms_norm), as in the layer's own forward.
 #include "ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -39,18 +39,26 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tenso
 
 }  // namespace
 
-// x: [D, hidden], one decoding row per sequence; cos, sin: [D, head_dim] (any leading view); kv_cache:
+// The layer on the hidden states x + residual (x alone where residual is undefined), as the model's layers take
+// them: returns the MLP's output and the residual stream it is still to be added to (residual, or x where it is
+// undefined, updated in place), each residual add run inside the norm after it (add_rms_norm), as in the layer's
+// own forward. x: [D, hidden], one decoding row per sequence; cos, sin: [D, head_dim] (any leading view); kv_cache:
 // [2, blocks, block_size, kv_heads, head_dim]; slot_mapping: int64 [D]; block_tables: int32 [D, max_blocks];
-// lens: int32 [D] (context lengths including this step's token). Returns the layer's output [D, hidden].
-torch::Tensor decode_layer(const torch::Tensor& x, const DecodeLayerWeights& layer, const torch::Tensor& cos,
-                           const torch::Tensor& sin, const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
-                           const torch::Tensor& block_tables, const torch::Tensor& lens) {
-  TORCH_CHECK(x.dim() == 2 && kv_cache.is_contiguous() && kv_cache.scalar_type() == x.scalar_type() &&
-                  slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.numel() == x.size(0),
-              "decode_layer: x [D, hidden], a contiguous cache in x's dtype, int64 slots for each row");
+// lens: int32 [D] (context lengths including this step's token).
+std::tuple<torch::Tensor, torch::Tensor> decode_layer(
+    const torch::Tensor& x, const c10::optional<torch::Tensor>& residual, const DecodeLayerWeights& layer,
+    const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& kv_cache,
+    const torch::Tensor& slot_mapping, const torch::Tensor& block_tables, const torch::Tensor& lens) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && kv_cache.is_contiguous() &&
+                  kv_cache.scalar_type() == x.scalar_type() && slot_mapping.scalar_type() == torch::kInt64 &&
+                  slot_mapping.numel() == x.size(0),
+              "decode_layer: x [D, hidden] contiguous, a contiguous cache in x's dtype, int64 slots for each row");
   const int64_t D = x.size(0), hd = layer.head_dim;
   const int64_t q_size = layer.heads * hd, kv_size = layer.kv_heads * hd;
-  const torch::Tensor qkv = layer.qkv(rms_norm(x, layer.input_norm, layer.eps));
+  torch::Tensor stream = residual.has_value() ? *residual : x;
+  const torch::Tensor normed = residual.has_value() ? add_rms_norm(x, stream, layer.input_norm, layer.eps)
+                                                    : rms_norm(x, layer.input_norm, layer.eps);
+  const torch::Tensor qkv = layer.qkv(normed);
   torch::Tensor q = qkv.narrow(1, 0, q_size).view({D, layer.heads, hd});
   torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({D, layer.kv_heads, hd});
   const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).contiguous();
@@ -62,10 +70,7 @@ torch::Tensor decode_layer(const torch::Tensor& x, const DecodeLayerWeights& lay
   k = rotary(k, cos, sin);
   write_kv(k.view({D, kv_size}), v, kv_cache, slot_mapping);
   const torch::Tensor attn = paged_decode_attention(q, kv_cache, block_tables, lens, layer.scale);
-  torch::Tensor h = layer.o(attn.view({D, q_size}));
-  h.add_(x);  // the residual adds: PyTorch's, in place
-  const torch::Tensor gate_up = layer.gate_up(rms_norm(h, layer.post_attention_norm, layer.eps));
-  torch::Tensor out = layer.down(layer.gate_up.silu_and_mul() ? gate_up : silu_and_mul(gate_up));
-  out.add_(h);
-  return out;
+  const torch::Tensor h = layer.o(attn.view({D, q_size}));
+  const torch::Tensor gate_up = layer.gate_up(add_rms_norm(h, stream, layer.post_attention_norm, layer.eps));
+  return {layer.down(layer.gate_up.silu_and_mul() ? gate_up : silu_and_mul(gate_up)), stream};
 }

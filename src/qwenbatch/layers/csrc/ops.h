@@ -64,9 +64,10 @@ struct DecodeLayerWeights {
   double eps = 1e-6, scale = 1.0;
 };
 
-torch::Tensor decode_layer(const torch::Tensor& x, const DecodeLayerWeights& layer, const torch::Tensor& cos,
-                           const torch::Tensor& sin, const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
-                           const torch::Tensor& block_tables, const torch::Tensor& lens);
+std::tuple<torch::Tensor, torch::Tensor> decode_layer(
+    const torch::Tensor& x, const c10::optional<torch::Tensor>& residual, const DecodeLayerWeights& layer,
+    const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& kv_cache,
+    const torch::Tensor& slot_mapping, const torch::Tensor& block_tables, const torch::Tensor& lens);
 
 // The CPU allocator that caches large freed buffers (host_allocator.cpp): installed for the whole process.
 void install_step_buffer_allocator(int64_t cache_limit_bytes);
