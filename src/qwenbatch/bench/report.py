@@ -38,8 +38,8 @@ def throughput_report(
     if repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {repeats}")
     gemm_samples = [gemm_gflops(config.torch_dtype)]
-    report: dict = {"workload": workload, "machine": {"gemm_dtype": str(config.torch_dtype).removeprefix("torch.")}}
-    report["repeats"] = repeats
+    dtype_name = str(config.torch_dtype).removeprefix("torch.")
+    report: dict = {"workload": workload, "machine": {"gemm_dtype": dtype_name}, "repeats": repeats}
     ours_runs: list[throughput.SystemResult] = []
     base_runs: list[throughput.SystemResult] = []
     llama_runs: list[throughput.SystemResult] = []
