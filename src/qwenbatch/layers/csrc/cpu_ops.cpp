@@ -48,7 +48,8 @@ void rms_norm_impl(const T* x, T* residual, const T* w, T* y, int64_t rows, int6
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
       T* yr = y + r * n;
       // As the reference: normalise in float32, round to the storage dtype, then scale in it.
-      for (int64_t i = 0; i < n; ++i) yr[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(buf[i] * inv)));
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) yr[i] = from_f32<T>(to_f32(w[i]) * to_f32(from_f32<T>(buf[i] * inv)));
     }
   });
 }
@@ -66,6 +67,15 @@ void silu_and_mul_impl(const T* x, T* y, int64_t rows, int64_t n) {
   });
 }
 
+// One output of RoPE: round(round(x * cos) + round(rotated * sin)), each product rounded to T as the PyTorch
+// expression rounds it.
+template <typename T>
+__attribute__((always_inline)) inline T rotate_one(T x, float rotated, T cos, T sin) {
+  const float a = to_f32(from_f32<T>(to_f32(x) * to_f32(cos)));
+  const float b = to_f32(from_f32<T>(rotated * to_f32(sin)));
+  return from_f32<T>(a + b);
+}
+
 // Neox-layout RoPE: out = x * cos + rotate_half(x) * sin, each product rounded to the storage dtype first,
 // as the PyTorch expression does. x: rows of `heads` vectors of head_dim (row stride ld), cos/sin [T, head_dim].
 template <typename T>
@@ -79,12 +89,11 @@ void rotary_impl(const T* x, int64_t ld, int64_t head_stride, const T* cos, cons
       for (int64_t h = 0; h < heads; ++h) {
         const T* xh = x + t * ld + h * head_stride;
         T* oh = out + (t * heads + h) * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) {
-          const float rotated = i < half ? -static_cast<float>(xh[i + half]) : static_cast<float>(xh[i - half]);
-          const T a = static_cast<T>(static_cast<float>(xh[i]) * static_cast<float>(c[i]));
-          const T b = static_cast<T>(static_cast<float>(static_cast<T>(rotated)) * static_cast<float>(s[i]));
-          oh[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
-        }
+        // The two halves apart, so that each loop vectorizes; the rotated half is a T already (negation is exact).
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) oh[i] = rotate_one<T>(xh[i], -to_f32(xh[i + half]), c[i], s[i]);
+#pragma omp simd
+        for (int64_t i = half; i < head_dim; ++i) oh[i] = rotate_one<T>(xh[i], to_f32(xh[i - half]), c[i], s[i]);
       }
     }
   });
