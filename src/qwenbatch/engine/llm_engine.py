@@ -16,7 +16,7 @@ import torch
 from qwenbatch.config import EngineConfig
 from qwenbatch.engine.block_manager import BlockManager
 from qwenbatch.engine.input_processor import InputProcessor
-from qwenbatch.engine.memory import gpu_kv_cache_budget, kv_cache_budget, num_kv_blocks
+from qwenbatch.engine.memory import gpu_kv_cache_budget, kv_cache_budget, num_kv_blocks, release_freed_heap
 from qwenbatch.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
 from qwenbatch.engine.output_processor import OutputProcessor
 from qwenbatch.engine.request import EngineRequest
@@ -76,6 +76,7 @@ class LLMEngine:
             compile=config.compile,
             checkpoint=loaded.checkpoint,
         )
+        release_freed_heap()  # before the KV pool's size, which may be a fraction of what is available
         self.runner = ModelRunner(
             loaded.model,
             loaded.config,
