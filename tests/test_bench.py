@@ -74,6 +74,10 @@ def test_bench_throughput_repeats_each_system_in_turn_and_reports_the_medians(ti
     for system in (ours, base):
         walls = system["extra"]["run_walls_s"]
         assert len(walls) == 3 and system["wall_s"] == sorted(walls)[1]
+    # transformers sweeps its batch sizes in the first round only; the report keeps that sweep.
+    assert report["baseline_runs_swept"] == 1
+    assert [row["batch_size"] for row in report["baseline_sweep"]] == [1, 2]
+    assert report["baseline_batch_size"] in (1, 2)
     ratios = report["run_ratios_output_tps"]
     assert len(ratios) == 3 and report["ratio_output_tps"] == statistics.median(ratios)
     # The matmul rate is sampled before and after every run, the fastest sample dividing the model's FLOP/s.

@@ -86,7 +86,10 @@ def throughput_report(
             report[runs_key] = [a.output_tps / b.output_tps for a, b in zip(ours_runs, runs_of, strict=True)]
             report[key] = statistics.median(report[runs_key])
     if base_runs:
+        # The first round's sweep chose the batch size every round ran at; later rounds only warm up.
         report["baseline_batch_size"] = base_runs[0].extra["best_batch_size"]
+        report["baseline_sweep"] = base_runs[0].extra["sweep"]
+        report["baseline_runs_swept"] = sum(1 for run in base_runs if run.extra["sweep"])
     # The matmul rate before and after every run: the host's speed drifts by ±8% between runs, and the fastest
     # sample is the machine's rate, which the model's FLOP/s is a fraction of.
     gemm = max(gemm_samples)
