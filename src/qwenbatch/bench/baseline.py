@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from qwenbatch.bench.workloads import BenchRequest
-from qwenbatch.engine.llm_engine import WARM_UP_FIRST_TOKEN
+from qwenbatch.engine.llm_engine import warm_up_first_token
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def pad_token_id(model) -> int:
 
 def warm_up(model, batch_size: int, pad_id: int) -> None:
     """Two tokens for ``batch_size`` prompts of 16, so that a timed run does not pay the first calls' costs."""
-    ids = torch.full((batch_size, 16), min(WARM_UP_FIRST_TOKEN, model.config.vocab_size // 4), dtype=torch.long)
+    ids = torch.full((batch_size, 16), warm_up_first_token(model.config.vocab_size), dtype=torch.long)
     with torch.inference_mode():
         model.generate(
             input_ids=ids.to(model.device), max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=pad_id

@@ -152,14 +152,14 @@ def run_transformers(
 
 def batch1_bandwidth(llm, output_len: int = 48) -> dict:
     """Batch-1 decode: weight bytes read per step x steps/s, beside the measured copy bandwidth."""
-    from qwenbatch.engine.llm_engine import WARM_UP_FIRST_TOKEN
+    from qwenbatch.engine.llm_engine import warm_up_first_token
 
     # Every matmul weight is read once a step; the embedding only one row per token.
     layer_params, head_params = matmul_params(llm.engine.model_config)
     weight_bytes = (layer_params + head_params) * torch.tensor([], dtype=llm.engine.dtype).element_size()
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.engine.warm_up()
-    first = min(WARM_UP_FIRST_TOKEN, llm.engine.model_config.vocab_size // 4)
+    first = warm_up_first_token(llm.engine.model_config.vocab_size)
     start = time.perf_counter()
     llm.generate([[first + 2 * i for i in range(16)]], params, use_tqdm=False)  # no prefix of the warm-up's
     steps_per_s = output_len / (time.perf_counter() - start)  # the prefill step is one of them

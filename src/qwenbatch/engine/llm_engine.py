@@ -36,7 +36,11 @@ logger = logging.getLogger(__name__)
 
 
 WARM_UP_FIRST_TOKEN = 1000
-"""The warm-up prompt counts up from this token id (or a quarter of a smaller vocabulary)."""
+
+
+def warm_up_first_token(vocab_size: int) -> int:
+    """The token id a warm-up prompt counts up from: WARM_UP_FIRST_TOKEN, or a quarter of a smaller vocabulary."""
+    return min(WARM_UP_FIRST_TOKEN, vocab_size // 4)
 
 
 class LLMEngine:
@@ -208,7 +212,7 @@ class LLMEngine:
         For benchmarks and sweeps, with nothing else queued: the steps it takes are all its own."""
         if self.has_unfinished():
             raise RuntimeError("warm_up runs on an idle engine; requests are queued")
-        start = min(WARM_UP_FIRST_TOKEN, self.model_config.vocab_size // 4)
+        start = warm_up_first_token(self.model_config.vocab_size)
         prompt = [start + i for i in range(16)]
         self.add(self.inputs.make_request("warm-up", prompt, SamplingParams(temperature=0, max_tokens=2)))
         while self.has_unfinished():

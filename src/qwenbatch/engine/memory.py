@@ -4,7 +4,6 @@ heap's freed pages back to the system."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from dataclasses import dataclass
 
 import psutil
@@ -21,8 +20,7 @@ def release_freed_heap() -> bool:
     library has no such call. Loading leaves its temporaries' pages in the heap: glibc returns free memory on its
     own only from the heap's top, and the packed weights lie above the holes (the default model's engine held
     ~270 MiB of them, in RSS, until the process ended: BENCHMARKS.md, issue 15)."""
-    name = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols: libc's, where it has one
     if trim is None:
         return False
     trim(0)
