@@ -319,6 +319,19 @@ def test_the_greedy_kernel_picks_the_tokens_and_flags_of_the_float32_path(dtype)
     assert got.logprobs == [None] * 7
 
 
+@pytest.mark.parametrize("vocab", [5, 256, 300, 1_000])
+def test_the_greedy_kernel_takes_the_first_of_tied_maxima_wherever_they_lie(vocab):
+    """The kernel finds the maximum, then searches whole blocks of logits for it: the first index holding it must
+    win whether the ties share a block, lie in different blocks, or the only best is in the last, partial block."""
+    places = [(0, vocab - 1), (3, 4), (vocab - 1,), (vocab // 2, vocab - 2)]
+    logits = torch.randn(len(places), vocab, generator=gen(5)).bfloat16()
+    for i, at in enumerate(places):
+        logits[i, list(at)] = 50.0
+    tokens, non_finite = greedy_tokens(logits)
+    assert tokens == [min(at) for at in places] == logits.float().argmax(dim=-1).tolist()
+    assert non_finite == [False] * len(places)
+
+
 def test_the_greedy_kernel_is_used_only_when_every_row_is_plain_greedy():
     calls = []
 

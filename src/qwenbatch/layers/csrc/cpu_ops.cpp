@@ -6,11 +6,13 @@
 #include "ops.h"
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -54,6 +56,43 @@ void rms_norm_impl(const T* x, T* residual, const T* w, T* y, int64_t rows, int6
   });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define QB_SILU_BF16_VECTORS 1
+// SiLU(gate) * up of a bf16 row, 16 lanes at a time, as qb::silu_times computes it but for two instructions:
+// vscalefps applies exp's 2^n (no clamp, no exponent bits built by hand) and vcvtneps2bf16 rounds to bf16 (to
+// nearest even, as from_f32, but a float32 below 2^-126 becomes zero, ~1e-38 away). The loop GCC vectorized
+// from silu_times took 1.3 cycles an output, bound by its ~37 vector instructions per 16 (its clamps as compares
+// and blends, the roundings in integer arithmetic); this one 1.31x faster at 2,048 rows of the default model's
+// gate_up (AMX kind).
+inline __m512 bf16_to_f32x16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+
+inline __m256i f32_to_bf16x16(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
+
+// exp(x) by qb::vec_exp's polynomial, x clamped below at -87 as there; above, vscalefps goes to inf by itself.
+inline __m512 exp_x16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5353362e-4f);
+  for (const float c : {1.3398874e-3f, 9.6180428e-3f, 5.5504108e-2f, 2.4022652e-1f, 6.9314718e-1f, 1.f}) {
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  }
+  return _mm512_scalef_ps(p, n);
+}
+
+void silu_and_mul_row_bf16(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = bf16_to_f32x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate + i)));
+    const __m512 u = bf16_to_f32x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(up + i)));
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp_x16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    const __m512 silu = bf16_to_f32x16(f32_to_bf16x16(_mm512_div_ps(g, d)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), f32_to_bf16x16(_mm512_mul_ps(silu, u)));
+  }
+  for (; i < n; ++i) y[i] = qb::silu_times<c10::BFloat16>(to_f32(gate[i]), to_f32(up[i]));
+}
+#endif
+
 template <typename T>
 void silu_and_mul_impl(const T* x, T* y, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
@@ -61,6 +100,12 @@ void silu_and_mul_impl(const T* x, T* y, int64_t rows, int64_t n) {
       const T* gate = x + r * 2 * n;
       const T* up = gate + n;
       T* yr = y + r * n;
+#ifdef QB_SILU_BF16_VECTORS
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        silu_and_mul_row_bf16(gate, up, yr, n);
+        continue;
+      }
+#endif
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) yr[i] = qb::silu_times<T>(to_f32(gate[i]), to_f32(up[i]));
     }
@@ -101,6 +146,12 @@ void rotary_impl(const T* x, int64_t ld, int64_t head_stride, const T* cos, cons
 
 // Each row's first maximal logit and whether the row holds an inf or a NaN, in one read of the logits as they
 // are: the sampler's float32 copy and argmax cost ~25 ms a step at 64 rows (a fresh 39 MB buffer, page faults).
+// The maximum first, then the first index holding it: blocks of kSearchBlock compared as vectors, and only the block
+// that holds it one at a time. (A search one logit at a time from the row's start took 2.4 ms at 64 rows of the
+// default model's vocabulary, 9.6 at 256, against 0.6 and 2.3 for the maximum alone: a quarter of the LM head's
+// time there, AMX kind.)
+constexpr int64_t kSearchBlock = 256;
+
 template <typename T>
 void greedy_tokens_impl(const T* logits, int64_t rows, int64_t vocab, int64_t* tokens, bool* non_finite) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
@@ -114,9 +165,19 @@ void greedy_tokens_impl(const T* logits, int64_t rows, int64_t vocab, int64_t* t
         best = std::max(best, v);
         poison += v * 0.f;
       }
-      int64_t at = 0;
-      while (at < vocab && to_f32(row[at]) != best) ++at;
-      tokens[r] = at < vocab ? at : 0;  // a row of NaNs fails its request; any id will do
+      int64_t at = 0;  // a row of NaNs fails its request; any id will do
+      for (int64_t block = 0; block < vocab; block += kSearchBlock) {
+        const int64_t block_end = std::min(vocab, block + kSearchBlock);
+        int found = 0;
+#pragma omp simd reduction(| : found)
+        for (int64_t i = block; i < block_end; ++i) found |= to_f32(row[i]) == best;
+        if (found) {
+          at = block;
+          while (to_f32(row[at]) != best) ++at;
+          break;
+        }
+      }
+      tokens[r] = at;
       non_finite[r] = std::isnan(poison);
     }
   });
