@@ -7,8 +7,9 @@ every buffer larger than its heap. A prefill chunk's activations are such buffer
 the cpu-mixed workload's prefill went to page faults (perf, BENCHMARKS.md, issue 15). The CPU kernels' allocator
 (``csrc/host_allocator.cpp``), installed by every CPU engine whose kernels may be built (float32 ones too: it changes
 no value), maps the buffers malloc would map (32 MiB and more) as whole 2 MiB pages and caches
-them when freed, up to ``CACHE_LIMIT_BYTES``, for the next buffer of about their size; smaller ones still go to
-malloc, which reuses its heap well for them. The engine empties the cache whenever it runs out of work, so an idle
+them when freed, up to ``CACHE_LIMIT_BYTES``, for the next buffer of about their size, or grows the largest smaller
+one for a buffer larger than any (its pages move, only the rest faults in); smaller ones still go to malloc, which
+reuses its heap well for them. The engine empties the cache whenever it runs out of work, so an idle
 server does not hold its busiest step's memory.
 """
 
