@@ -25,7 +25,7 @@ def _same_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(1, 896), (5, 64), (3, 4, 128)])
+@pytest.mark.parametrize("shape", [(1, 896), (5, 64), (3, 4, 128), (2, 100)])  # 100: not whole 16-lane vectors
 def test_rms_norm_matches_the_layer(dtype, shape):
     torch.manual_seed(0)
     norm = RMSNorm(shape[-1], 1e-6).to(dtype)
