@@ -1,7 +1,8 @@
 // Fused CPU ops for small steps, where PyTorch's per-op cost (5-25 us an op on a [1, 896] tensor) rather
 // than arithmetic sets the time: RMSNorm, SiLU(gate) * up, RoPE, and the greedy sampler's argmax (decode
 // attention is in decode_attention.cpp). Arithmetic in float32 whatever the storage dtype; loops are written for
-// the compiler to vectorize (the reductions through `omp simd`, which lets it reorder their sums).
+// the compiler to vectorize (the reductions through `omp simd`, which lets it reorder their sums), but for bf16
+// rows of RMSNorm and SiLU * up on AVX-512 BF16, written in intrinsics (QB_BF16_VECTORS).
 #include "float_math.h"
 #include "ops.h"
 
