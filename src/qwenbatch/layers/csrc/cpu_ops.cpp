@@ -3,6 +3,7 @@
 // attention is in decode_attention.cpp). Arithmetic in float32 whatever the storage dtype; loops are written for
 // the compiler to vectorize (the reductions through `omp simd`, which lets it reorder their sums), but for bf16
 // rows of RMSNorm and SiLU * up on AVX-512 BF16, written in intrinsics (QB_BF16_VECTORS).
+#include "bf16_vectors.h"
 #include "float_math.h"
 #include "ops.h"
 
@@ -16,7 +17,6 @@
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
 #define QB_BF16_VECTORS 1
 #endif
 
@@ -30,13 +30,10 @@ using qb::vec_exp;
 // bf16 rows in AVX-512 BF16 intrinsics where the loops GCC vectorizes are bound by their instruction count: each
 // rounding to bf16 there is ~6 integer instructions, here one vcvtneps2bf16 (to nearest even, as from_f32, but a
 // float32 below 2^-126 becomes zero, ~1e-38 away).
-inline __m512 bf16_to_f32x16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
-
-inline __m256i f32_to_bf16x16(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
-
-inline __m256i load_bf16x16(const c10::BFloat16* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-
-inline void store_bf16x16(c10::BFloat16* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+using qb::bf16x16_to_f32;
+using qb::f32_to_bf16x16;
+using qb::load_bf16x16;
+using qb::store_bf16x16;
 
 // One row of rms_norm_impl for bf16 rows of a multiple of 16 values, the same steps and roundings (the sum of
 // squares in another order). The generic loops took 1.0 cycle a value (1.4 with the residual add) from cache.
@@ -44,19 +41,19 @@ void rms_norm_row_bf16(const c10::BFloat16* x, c10::BFloat16* residual, const c1
                        int64_t n, float eps, float* buf) {
   __m512 squares = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
-    __m512 v = bf16_to_f32x16(load_bf16x16(x + i));
+    __m512 v = load_bf16x16(x + i);
     if (residual != nullptr) {
-      const __m256i sum = f32_to_bf16x16(_mm512_add_ps(v, bf16_to_f32x16(load_bf16x16(residual + i))));
+      const __m256i sum = f32_to_bf16x16(_mm512_add_ps(v, load_bf16x16(residual + i)));
       store_bf16x16(residual + i, sum);
-      v = bf16_to_f32x16(sum);
+      v = bf16x16_to_f32(sum);
     }
     _mm512_storeu_ps(buf + i, v);
     squares = _mm512_fmadd_ps(v, v, squares);
   }
   const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(n) + eps));
   for (int64_t i = 0; i < n; i += 16) {
-    const __m512 normalized = bf16_to_f32x16(f32_to_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(buf + i), inv)));
-    store_bf16x16(y + i, f32_to_bf16x16(_mm512_mul_ps(bf16_to_f32x16(load_bf16x16(w + i)), normalized)));
+    const __m512 normalized = bf16x16_to_f32(f32_to_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(buf + i), inv)));
+    store_bf16x16(y + i, f32_to_bf16x16(_mm512_mul_ps(load_bf16x16(w + i), normalized)));
   }
 }
 #endif
@@ -126,10 +123,10 @@ inline __m512 exp_x16(__m512 x) {
 void silu_and_mul_row_bf16(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* y, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 g = bf16_to_f32x16(load_bf16x16(gate + i));
-    const __m512 u = bf16_to_f32x16(load_bf16x16(up + i));
+    const __m512 g = load_bf16x16(gate + i);
+    const __m512 u = load_bf16x16(up + i);
     const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp_x16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
-    const __m512 silu = bf16_to_f32x16(f32_to_bf16x16(_mm512_div_ps(g, d)));
+    const __m512 silu = bf16x16_to_f32(f32_to_bf16x16(_mm512_div_ps(g, d)));
     store_bf16x16(y + i, f32_to_bf16x16(_mm512_mul_ps(silu, u)));
   }
   for (; i < n; ++i) y[i] = qb::silu_times<c10::BFloat16>(to_f32(gate[i]), to_f32(up[i]));

@@ -8,6 +8,7 @@
 // every 16 positions, and took each block's K and V into L1 together. Where the CPU has AMX, the bf16 kernel takes
 // its scores on tiles: 1.17-1.26x the vdpbf16ps scores from memory, 1.3-1.5x from cache (the AMX kind).
 #include "amx.h"
+#include "bf16_vectors.h"
 #include "float_math.h"
 #include "index_math.h"
 #include "ops.h"
@@ -346,10 +347,7 @@ class Bf16Worker {
         const c10::BFloat16* v = pr_.v_cache + chunks_[c].offset + d0;
         for (int64_t p = 0; p < chunks_[c].n; ++p) {
           __m512 vz[2];
-          for (int z = 0; z < 2; ++z) {
-            const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + p * stride + 16 * z));
-            vz[z] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-          }
+          for (int z = 0; z < 2; ++z) vz[z] = qb::load_bf16x16(v + p * stride + 16 * z);
           for (int g = 0; g < G; ++g) {
             const __m512 w = _mm512_set1_ps(weights_[g][16 * c + p]);
             for (int z = 0; z < 2; ++z) o[g][z] = _mm512_fmadd_ps(w, vz[z], o[g][z]);

@@ -1,6 +1,7 @@
 // int8_dequantize: a packed int8_linear weight (int8_layout.h) written back as a bf16 matrix, for a dense bf16
 // matmul at many rows of x (layers/int8_large_m.py). In a source of its own: added to int8_linear.cpp, it made GCC
 // take the widening pass out of line there, and the 5-bit kernels ran 0.57-0.69x as fast (see QB_ALWAYS_INLINE).
+#include "bf16_vectors.h"
 #include "float_math.h"
 #include "int8_layout.h"
 #include "ops.h"
@@ -15,7 +16,7 @@
 
 namespace {
 
-using namespace qb;  // the layout
+using namespace qb;  // the layout, bf16 vectors
 
 // One chunk of a tile (4 k by 16 rows, u = q + 128, `s` the rows' scales) as bf16 into rows k .. k + 3 of W^T
 // (`out`, N wide): each row's 16 values split in two halves of 8, at `columns[0]` and `columns[1]`.
@@ -29,14 +30,7 @@ inline void dequantize_chunk(const uint8_t* u, const c10::Half* s, c10::BFloat16
     const __m512i q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 8 * b), _mm512_set1_epi32(0xFF)),
                                        _mm512_set1_epi32(128));
     const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale);  // finite: |q| <= 128 times a float16
-#if defined(__AVX512BF16__)
-    const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f));
-#else
-    const __m512i bits = _mm512_castps_si512(f);  // rounded to nearest even, as qb::from_f32
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m256i h = _mm512_cvtepi32_epi16(
-        _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
-#endif
+    const __m256i h = f32_to_bf16x16(f);
     c10::BFloat16* row = out + b * N;
     _mm_storeu_si128(reinterpret_cast<__m128i*>(row + columns[0]), _mm256_castsi256_si128(h));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(row + columns[1]), _mm256_extracti128_si256(h, 1));

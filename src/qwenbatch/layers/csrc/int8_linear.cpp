@@ -17,6 +17,7 @@
 // above as they are used. Per tile of 16 rows and group of 32 k (8 chunks of 4 k), 320 bytes: the low nibbles
 // of u5 = q + 16, one 64-byte block per two consecutive chunks (the first in the low nibble), then the 8
 // chunks' fifth bits, 64 bits little-endian each, bit b for byte b of the chunk: one stream of 10 * K bytes.
+#include "bf16_vectors.h"
 #include "float_math.h"
 #include "int8_layout.h"
 #include "int8_tasks.h"
@@ -36,7 +37,7 @@
 
 namespace {
 
-using namespace qb;  // the layout (int8_layout.h)
+using namespace qb;  // the layout (int8_layout.h), bf16 vectors (bf16_vectors.h)
 
 constexpr int64_t kStreamRows = 8;  // up to this many rows of x, a linear streams its weights (decode steps)
 constexpr int64_t kStreamAheadRows = 64;  // up to this many, widened 5-bit tiles prefetch the next ones' stream
@@ -140,8 +141,7 @@ inline __m512 load16(const T* x) {
   if constexpr (std::is_same_v<T, float>) {
     return _mm512_loadu_ps(x);
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    return load_bf16x16(x);
   } else {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
   }
@@ -163,8 +163,7 @@ inline __m256 load8(const T* x) {
   if constexpr (std::is_same_v<T, float>) {
     return _mm256_loadu_ps(x);
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+    return load_bf16x8(x);
   } else {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
   }
