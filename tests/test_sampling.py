@@ -13,8 +13,8 @@ import torch
 from qwenbatch import LLM, SamplingParams
 from qwenbatch.engine.memory import BLOCK_BOOKKEEPING_BYTES_PER_TOKEN
 from qwenbatch.engine.model_runner import kv_cache_bytes_per_token
-from qwenbatch.layers.cpu_kernels import greedy_tokens
-from qwenbatch.layers.sampler import SamplingRow, sample
+from qwenbatch.layers.cpu_kernels import greedy_tokens, random_tokens
+from qwenbatch.layers.sampler import SamplerKernels, SamplingRow, sample
 from qwenbatch.models.config import ModelConfig
 
 VOCAB = 50
@@ -38,10 +38,17 @@ def random_logits(rows: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=gen(seed)) * scale
 
 
-def draws(logits: torch.Tensor, params: SamplingParams, count: int, seed: int = 0) -> Counter:
+# The sampler's PyTorch path, and the CPU's kernels that take over its greedy and random rows.
+PATHS = {"torch": None, "cpu-kernels": SamplerKernels(greedy_tokens, random_tokens)}
+paths = pytest.mark.parametrize("kernels", PATHS.values(), ids=PATHS.keys())
+
+
+def draws(
+    logits: torch.Tensor, params: SamplingParams, count: int, seed: int = 0, kernels: SamplerKernels | None = None
+) -> Counter:
     """Token frequencies of ``count`` samples from one logits row, one seeded generator for all."""
     g = gen(seed)
-    out = sample(logits.expand(count, -1), [row(params, generator=g) for _ in range(count)])
+    out = sample(logits.expand(count, -1), [row(params, generator=g) for _ in range(count)], kernels)
     return Counter(out.token_ids)
 
 
@@ -142,53 +149,122 @@ def test_greedy_picks_the_argmax_of_every_row():
     assert out.logprobs == [None] * 8
 
 
+@paths
 @pytest.mark.parametrize("temperature", [0.1, 1.0, 10.0, 1000.0])
-def test_top_k_1_equals_greedy_at_any_temperature(temperature):
+def test_top_k_1_equals_greedy_at_any_temperature(temperature, kernels):
     logits = random_logits(16, seed=1, scale=0.5)
     rows = [row(SamplingParams(temperature=temperature, top_k=1), generator=gen(i)) for i in range(16)]
-    assert sample(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
+    assert sample(logits, rows, kernels).token_ids == logits.argmax(dim=-1).tolist()
 
 
-def test_top_k_samples_only_the_k_best():
+@paths
+def test_top_k_samples_only_the_k_best(kernels):
     logits = random_logits(1, seed=2, scale=0.3)[0]
     best3 = set(logits.topk(3).indices.tolist())
-    seen = draws(logits, SamplingParams(temperature=1.0, top_k=3), 600)
+    seen = draws(logits, SamplingParams(temperature=1.0, top_k=3), 600, kernels=kernels)
     assert set(seen) == best3
 
 
-def test_tiny_top_p_keeps_only_the_best_token():
+@paths
+def test_top_k_and_top_p_keep_the_lower_ids_of_tied_logits(kernels):
+    logits = torch.tensor([0.0, 2.0, 2.0, 2.0, 2.0, 1.0]).bfloat16()  # bf16 logits tie often
+    assert set(draws(logits, SamplingParams(temperature=1.0, top_k=2), 400, kernels=kernels)) == {1, 2}
+    # Each of the four tied tokens holds ~0.23 of the mass: top_p 0.5 keeps three, the lowest ids.
+    assert set(draws(logits, SamplingParams(temperature=1.0, top_p=0.5), 600, kernels=kernels)) == {1, 2, 3}
+
+
+@paths
+def test_tiny_top_p_keeps_only_the_best_token(kernels):
     logits = random_logits(1, seed=3, scale=0.3)[0]  # nearly flat: without top_p many tokens appear
-    seen = draws(logits, SamplingParams(temperature=1.0, top_p=1e-6), 300)
+    seen = draws(logits, SamplingParams(temperature=1.0, top_p=1e-6), 300, kernels=kernels)
     assert set(seen) == {int(logits.argmax())}
-    assert len(draws(logits, SamplingParams(temperature=1.0), 300)) > 10
+    assert len(draws(logits, SamplingParams(temperature=1.0), 300, kernels=kernels)) > 10
 
 
-def test_top_p_keeps_the_smallest_set_reaching_p():
+@paths
+def test_top_p_keeps_the_smallest_set_reaching_p(kernels):
     logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
     # 0.4 < 0.5, so the second token is needed; 0.4 + 0.3 >= 0.5, so the third is not.
-    seen = draws(logits, SamplingParams(temperature=1.0, top_p=0.5), 600)
+    seen = draws(logits, SamplingParams(temperature=1.0, top_p=0.5), 600, kernels=kernels)
     assert set(seen) == {0, 1}
 
 
-def test_min_p_masks_tokens_below_a_fraction_of_the_best():
+@paths
+def test_min_p_masks_tokens_below_a_fraction_of_the_best(kernels):
     probs = torch.tensor([0.40, 0.30, 0.15, 0.10, 0.03, 0.02])
     logits = torch.log(probs)
-    seen = draws(logits, SamplingParams(temperature=1.0, min_p=0.2), 1000)
+    seen = draws(logits, SamplingParams(temperature=1.0, min_p=0.2), 1000, kernels=kernels)
     # Kept: p >= 0.2 * 0.40 = 0.08, i.e. tokens 0..3; tokens 4 and 5 never appear.
     assert set(seen) == {0, 1, 2, 3}
 
 
-def test_temperature_sampling_follows_the_softmax():
+@paths
+def test_temperature_sampling_follows_the_softmax(kernels):
     probs = torch.tensor([0.6, 0.3, 0.1])
-    seen = draws(torch.log(probs), SamplingParams(temperature=1.0), 4000, seed=5)
+    seen = draws(torch.log(probs), SamplingParams(temperature=1.0), 4000, seed=5, kernels=kernels)
     for token, p in enumerate(probs.tolist()):
         assert abs(seen[token] / 4000 - p) < 0.03
     # Temperature 0.5 squares the probabilities: [0.36, 0.09, 0.01] / 0.46.
-    seen = draws(torch.log(probs), SamplingParams(temperature=0.5), 4000, seed=6)
+    seen = draws(torch.log(probs), SamplingParams(temperature=0.5), 4000, seed=6, kernels=kernels)
     assert abs(seen[0] / 4000 - 0.36 / 0.46) < 0.03
 
 
-def _seeded_sequence(seed: int, steps: int = 20, batch_with_others: bool = False) -> list[int]:
+def test_the_random_kernel_draws_the_tokens_of_the_torch_path():
+    """Same uniform draws (seeded rows), same tokens: over the real vocabulary's size, bf16 logits (many ties) and
+    float32, each cut alone and together; and the same non-finite flags. Where a row's mass is spread over ~10^5
+    tokens of ~1e-5 each (the flat rows), the two paths' exp and sums, each within ~1e-7, may move a draw to the
+    next kept token."""
+    settings = [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.0, top_p=0.3),
+        SamplingParams(temperature=0.7, top_k=50),
+        SamplingParams(temperature=1.3, top_k=20, top_p=0.8),
+        SamplingParams(temperature=1.0, min_p=0.05),
+        SamplingParams(temperature=2.0, top_p=0.95, min_p=0.01),
+        SamplingParams(temperature=0.1, top_k=1000, top_p=0.99),
+    ]
+    for dtype, scale, may_differ in ((torch.bfloat16, 3.0, 0), (torch.float32, 8.0, 0), (torch.bfloat16, 0.5, 2)):
+        logits = (torch.randn(2 * len(settings), 151_936, generator=gen(11)) * scale).to(dtype)
+        logits[3, 7] = float("nan")
+        logits[5, 0] = float("-inf")
+
+        def rows(count: int) -> list[SamplingRow]:
+            return [row(settings[i % len(settings)], generator=gen(100 + i)) for i in range(count)]
+
+        want = sample(logits, rows(len(logits)))
+        got = sample(logits, rows(len(logits)), PATHS["cpu-kernels"])
+        assert got.non_finite == want.non_finite == [i in (3, 5) for i in range(len(logits))]  # -inf too
+        finite = [i for i in range(len(logits)) if i not in (3, 5)]
+        differ = [i for i in finite if got.token_ids[i] != want.token_ids[i]]
+        assert len(differ) <= may_differ, differ
+        assert len(set(want.token_ids)) > logits.shape[0] // 2  # the draws really differ between rows
+
+
+def test_random_rows_beside_greedy_and_penalised_rows_take_the_torch_path_tokens():
+    logits = random_logits(5, seed=12).bfloat16()
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.9, top_p=0.8),
+        SamplingParams(temperature=0.9, top_k=5, presence_penalty=1.0),  # penalised: the float32 path
+        SamplingParams(temperature=1.2),
+        SamplingParams(temperature=0),
+    ]
+
+    def rows(penalised: bool):
+        picked = params if penalised else [p for p in params if not p.has_penalties]
+        return [row(p, output=[1, 2], generator=gen(i)) for i, p in enumerate(picked)]
+
+    for penalised in (False, True):
+        batch = logits if penalised else logits[[0, 1, 3, 4]]
+        assert (
+            sample(batch, rows(penalised), PATHS["cpu-kernels"]).token_ids == sample(batch, rows(penalised)).token_ids
+        )
+
+
+def _seeded_sequence(
+    seed: int, steps: int = 20, batch_with_others: bool = False, kernels: SamplerKernels | None = None
+) -> list[int]:
     logits = random_logits(1, seed=7, scale=0.5)
     params = SamplingParams(temperature=1.0, seed=seed)
     g = gen(seed)
@@ -201,21 +277,23 @@ def _seeded_sequence(seed: int, steps: int = 20, batch_with_others: bool = False
                 row(params, generator=g),
                 row(SamplingParams(temperature=1.0, seed=99), generator=gen(99 + step)),
             ]
-            tokens.append(sample(batch, rows).token_ids[1])
+            tokens.append(sample(batch, rows, kernels).token_ids[1])
         else:
-            tokens.append(sample(logits, [row(params, generator=g)]).token_ids[0])
+            tokens.append(sample(logits, [row(params, generator=g)], kernels).token_ids[0])
     return tokens
 
 
-def test_seeded_rows_reproduce_with_a_fresh_generator_and_differ_across_seeds():
-    first = _seeded_sequence(1234)
-    assert _seeded_sequence(1234) == first
-    assert _seeded_sequence(1234, batch_with_others=True) == first
-    assert _seeded_sequence(4321) != first
+@paths
+def test_seeded_rows_reproduce_with_a_fresh_generator_and_differ_across_seeds(kernels):
+    first = _seeded_sequence(1234, kernels=kernels)
+    assert _seeded_sequence(1234, kernels=kernels) == first
+    assert _seeded_sequence(1234, batch_with_others=True, kernels=kernels) == first
+    assert _seeded_sequence(4321, kernels=kernels) != first
     assert len(set(first)) > 1  # it really sampled
 
 
-def test_non_finite_rows_are_flagged_and_other_rows_still_sample():
+@paths
+def test_non_finite_rows_are_flagged_and_other_rows_still_sample(kernels):
     logits = random_logits(4, seed=8)
     logits[1, 3] = float("nan")
     logits[2, 0] = float("inf")
@@ -225,7 +303,7 @@ def test_non_finite_rows_are_flagged_and_other_rows_still_sample():
         row(SamplingParams(temperature=0.7, top_k=5), generator=gen(0)),
         row(SamplingParams(temperature=0)),
     ]
-    out = sample(logits, rows)
+    out = sample(logits, rows, kernels)
     assert out.non_finite == [False, True, True, False]
     assert out.token_ids[0] == int(logits[0].argmax())
     assert out.token_ids[3] == int(logits[3].argmax())
@@ -260,15 +338,16 @@ def test_repetition_penalty_pushes_seen_tokens_down_whatever_their_sign():
     assert sample(negative, [row(SamplingParams(temperature=0), output=[0])]).token_ids == [0]
 
 
-def test_suppressed_ids_are_never_picked():
+@paths
+def test_suppressed_ids_are_never_picked(kernels):
     logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]])
-    assert sample(logits, [row(SamplingParams(temperature=0), suppressed=(1,))]).token_ids == [2]
+    assert sample(logits, [row(SamplingParams(temperature=0), suppressed=(1,))], kernels).token_ids == [2]
     assert sample(
-        logits, [row(SamplingParams(temperature=0.5, top_k=1), suppressed=(1,), generator=gen(0))]
+        logits, [row(SamplingParams(temperature=0.5, top_k=1), suppressed=(1,), generator=gen(0))], kernels
     ).token_ids == [2]
     g = gen(1)
     rows = [row(SamplingParams(temperature=1.0), suppressed=(1, 2), generator=g) for _ in range(500)]
-    picked = set(sample(logits.expand(500, -1), rows).token_ids)
+    picked = set(sample(logits.expand(500, -1), rows, kernels).token_ids)
     assert picked <= {0, 3} and 3 in picked
 
 
@@ -311,7 +390,7 @@ def test_the_greedy_kernel_picks_the_tokens_and_flags_of_the_float32_path(dtype)
     logits[4, 2], logits[4, 8] = float("inf"), float("-inf")
     logits[5, -1] = 100  # the best is the last id
     rows = [row(SamplingParams(temperature=0))] * 7
-    want, got = sample(logits, rows), sample(logits, rows, greedy_tokens)
+    want, got = sample(logits, rows), sample(logits, rows, SamplerKernels(greedy=greedy_tokens))
     assert got.non_finite == want.non_finite == [False, True, True, True, True, False, False]
     finite = [i for i, bad in enumerate(want.non_finite) if not bad]
     assert [got.token_ids[i] for i in finite] == [want.token_ids[i] for i in finite]
@@ -347,9 +426,9 @@ def test_the_greedy_kernel_is_used_only_when_every_row_is_plain_greedy():
         row(SamplingParams(temperature=0), suppressed=(int(logits[1].argmax()),)),
         row(SamplingParams(temperature=0.8), generator=gen(1)),
     ):
-        assert sample(logits, [plain, other], kernel).token_ids[0] == int(logits[0].argmax())
+        assert sample(logits, [plain, other], SamplerKernels(greedy=kernel)).token_ids[0] == int(logits[0].argmax())
     assert calls == []  # a row that needs more than the argmax sends the whole step down the float32 path
-    assert sample(logits, [plain, plain], kernel).token_ids == logits.argmax(dim=-1).tolist()
+    assert sample(logits, [plain, plain], SamplerKernels(greedy=kernel)).token_ids == logits.argmax(dim=-1).tolist()
     assert calls == [2]
 
 

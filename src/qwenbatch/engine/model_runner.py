@@ -21,11 +21,11 @@ from qwenbatch.layers.attention import (
     StepLayout,
     TorchAttentionMetadata,
 )
-from qwenbatch.layers.cpu_kernels import greedy_tokens
+from qwenbatch.layers.cpu_kernels import greedy_tokens, random_tokens
 from qwenbatch.layers.cpu_kernels import kernels as cpu_kernel_module
 from qwenbatch.layers.opaque_attention import step_attention
 from qwenbatch.layers.prefill_choice import OURS, SDPA
-from qwenbatch.layers.sampler import SamplingRow, sample
+from qwenbatch.layers.sampler import SamplerKernels, SamplingRow, sample
 from qwenbatch.loader.kernels import ModelKernels
 from qwenbatch.models.config import ModelConfig
 from qwenbatch.sampling_params import SamplingParams
@@ -95,7 +95,7 @@ class ModelRunner:
         self.device = device
         self.kv_caches: list[torch.Tensor] = []
         self._graphs = None
-        self._greedy_kernel = greedy_tokens if kernels.cpu_kernels else None
+        self._sampler_kernels = SamplerKernels(greedy_tokens, random_tokens) if kernels.cpu_kernels else None
         # --compile: one graph per step shape class, symbolic in the token count; weights frozen into it.
         self._compiled = torch.compile(model, dynamic=True, options={"freezing": True}) if kernels.compiled else None
         # Which kernels run prefill and decode attention, recorded in the log and in bench JSON.
@@ -213,7 +213,7 @@ class ModelRunner:
         score_rows = [r for r, seq in zip(sample_rows, sampling, strict=True) if seq.score_only]
         out = ModelRunnerOutput([], [], [])
         if generate_rows:
-            sampled = sample(self.model.compute_logits(hidden[generate_rows]), rows, self._greedy_kernel)
+            sampled = sample(self.model.compute_logits(hidden[generate_rows]), rows, self._sampler_kernels)
             out.token_ids, out.logprobs, out.non_finite = sampled.token_ids, sampled.logprobs, sampled.non_finite
         if score_rows:
             out.scores = self._scores(hidden[score_rows])

@@ -38,6 +38,7 @@ _SOURCES = (
     "prefill_attention.cpp",
     "decode_layer.cpp",
     "host_allocator.cpp",
+    "sampling.cpp",
 )
 # Float operations may be assumed not to trap (no value changes): without it GCC will not turn a comparison into a
 # blend where it has no masked instructions, and with AVX2 only every loop calling qb::vec_exp (SiLU, softmax)
@@ -160,9 +161,24 @@ class KernelRotaryEmbedding(RotaryEmbedding):
 
 def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     """Each row's argmax (the first maximal index) and whether the row holds an inf or a NaN, in one read of the
-    logits in their own dtype: the sampler's ``greedy_kernel`` (layers/sampler.py)."""
+    logits in their own dtype: the sampler's ``SamplerKernels.greedy`` (layers/sampler.py)."""
     tokens, non_finite = kernels().greedy_tokens(logits)
     return tokens.tolist(), non_finite.tolist()
+
+
+def random_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    uniform: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's token drawn by the inverse CDF at ``uniform`` after temperature, top-k, top-p and min-p, as the
+    sampler's PyTorch path draws it, in a few vector passes over each row rather than a sort, and whether the row
+    holds an inf or a NaN: the sampler's ``SamplerKernels.random`` (layers/sampler.py). Logits [R, vocab] in any
+    float dtype; the rest one value a row (``sampler._random_params``)."""
+    return kernels().random_tokens(logits, temperature, top_k, top_p, min_p, uniform)
 
 
 def use_cpu_kernels(model: nn.Module) -> int:

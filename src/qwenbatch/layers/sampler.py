@@ -32,17 +32,38 @@ class SamplerOutput:
 
 # Each row's argmax and whether it holds an inf or a NaN, from logits as the model returns them, in one pass.
 GreedyKernel = Callable[[torch.Tensor], tuple[list[int], list[bool]]]
+# Each row's token drawn as _sample_random draws it, and whether the row holds an inf or a NaN: logits [R, vocab] in
+# the model's dtype or float32; temperature, top_k, top_p, min_p and the uniform draw, one value a row.
+RandomKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor],
+]
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], greedy_kernel: GreedyKernel | None = None) -> SamplerOutput:
+@dataclass(frozen=True)
+class SamplerKernels:
+    """Kernels that take over parts of the PyTorch path below on their device, with the same tokens (the CPU's:
+    layers/cpu_kernels.py): ``greedy`` for steps whose rows are all plain greedy, ``random`` for the rows that
+    sample at random."""
+
+    greedy: GreedyKernel | None = None
+    random: RandomKernel | None = None
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], kernels: SamplerKernels | None = None) -> SamplerOutput:
     """Pick one token per row of ``logits`` [B, vocab]; work is skipped when no row needs it.
 
-    With ``greedy_kernel``, a step whose rows are all plain greedy (no logprobs, penalties or suppressed tokens)
-    takes its tokens from it, with the same tokens and flags as the float32 path below.
+    With ``kernels.greedy``, a step whose rows are all plain greedy (no logprobs, penalties or suppressed tokens)
+    takes its tokens from it, with the same tokens and flags as the float32 path below; with ``kernels.random``, the
+    rows that sample at random take theirs from it.
     """
-    if greedy_kernel is not None and all(_plain_greedy(r) for r in rows):
-        token_ids, non_finite = greedy_kernel(logits)
-        return SamplerOutput(token_ids, [None] * len(rows), non_finite)
+    kernels = kernels or SamplerKernels()
+    if kernels.greedy is not None and all(_plain(r) for r in rows):
+        if all(r.params.greedy for r in rows):
+            token_ids, non_finite = kernels.greedy(logits)
+            return SamplerOutput(token_ids, [None] * len(rows), non_finite)
+        if kernels.random is not None:
+            return _sample_plain_rows(logits, rows, kernels)
     logits = logits.float()
     # One vectorised pass: a NaN or an inf anywhere makes the row's sum non-finite; finite logits would have
     # to average over 1e33 to overflow it. 34x faster than isfinite().all() on 64 x 151,936 logits
@@ -55,10 +76,14 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], greedy_kernel: GreedyK
         logits = logits.clone()
         for i in needs_edit:
             _apply_penalties(logits[i], rows[i])
-    tokens = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if len(random_rows) < len(rows):
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     if random_rows:
-        tokens[random_rows] = _sample_random(logits[random_rows], [rows[i] for i in random_rows])
+        random_logits = logits if len(random_rows) == len(rows) else logits[random_rows]
+        tokens[random_rows] = _sample_random(random_logits, [rows[i] for i in random_rows], kernels.random)
     token_list = tokens.tolist()
     out_logprobs: list[dict[int, float] | None] = [None] * len(rows)
     if logprobs is not None:
@@ -73,9 +98,26 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], greedy_kernel: GreedyK
     return SamplerOutput(token_list, out_logprobs, non_finite)
 
 
-def _plain_greedy(row: SamplingRow) -> bool:
+def _plain(row: SamplingRow) -> bool:
+    """Whether the row needs no logprobs, penalties or suppressed tokens: its token is all it needs."""
     p = row.params
-    return p.greedy and p.logprobs is None and not p.has_penalties and not row.suppressed_token_ids
+    return p.logprobs is None and not p.has_penalties and not row.suppressed_token_ids
+
+
+def _sample_plain_rows(logits: torch.Tensor, rows: list[SamplingRow], kernels: SamplerKernels) -> SamplerOutput:
+    """Plain rows (``_plain``) on the kernels, from the logits in their own dtype: greedy rows on ``greedy``, the
+    others on ``random``."""
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
+    token_ids, non_finite = [0] * len(rows), [False] * len(rows)
+    if greedy:
+        ids, flags = kernels.greedy(logits[greedy])
+        for j, i in enumerate(greedy):
+            token_ids[i], non_finite[i] = ids[j], flags[j]
+    ids, flags = kernels.random(logits[drawn] if greedy else logits, *_random_params([rows[i] for i in drawn], logits))
+    for i, token, flag in zip(drawn, ids.tolist(), flags.tolist(), strict=True):
+        token_ids[i], non_finite[i] = token, flag
+    return SamplerOutput(token_ids, [None] * len(rows), non_finite)
 
 
 def _top_logprobs_raw(logits: torch.Tensor, rows: list[SamplingRow]):
@@ -109,9 +151,13 @@ def _apply_penalties(row_logits: torch.Tensor, row: SamplingRow) -> None:
         row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
 
-def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], kernel: RandomKernel | None) -> torch.Tensor:
+    """Each row's token: the weights exp(logit / temperature), cut by top-k, top-p and min-p, drawn by the inverse of
+    their CDF (in vocabulary order) at one uniform number a row."""
+    temps, _, _, _, uniform = params = _random_params(rows, logits)
+    if kernel is not None:
+        return kernel(logits, *params)[0]
     device = logits.device
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=device)
     logits = logits / temps[:, None]
     if any(r.params.top_k or r.params.top_p < 1.0 for r in rows):
         logits = _top_k_top_p(logits, rows)
@@ -119,30 +165,40 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     if any(r.params.min_p for r in rows):
         min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype, device=device)
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-    return (probs / _exponential_noise(probs, rows)).argmax(dim=-1)
+    cdf = probs.double().cumsum(dim=-1)
+    tokens = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(1)
+    # u * total rounded up to the total: the last token that holds weight.
+    last_kept = probs.shape[-1] - 1 - (probs > 0).flip(-1).to(torch.uint8).argmax(dim=-1)
+    return torch.minimum(tokens, last_kept)
 
 
-def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """E ~ Exp(1) per entry, for the exponential race (Gumbel-max in another form): argmax(p / E) samples
-    from p. A seeded request draws its row from its own (CPU) generator, so its tokens are the same on
-    every device; the other rows are drawn in one call on the device, with no per-row host work there."""
-    if probs.device.type == "cpu":
-        noise = torch.empty_like(probs)
-        for i, r in enumerate(rows):
-            noise[i].exponential_(generator=r.generator)
-        return noise
-    noise = torch.empty_like(probs).exponential_()
+def _random_params(rows: list[SamplingRow], logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Temperature, top_k, top_p and min_p of each row (float32, int64, float32, float32), and its uniform draw."""
+    device = logits.device
+    return (
+        torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=device),
+        # top_k may be any int (2**64 passes validation): past the vocabulary it keeps everything.
+        torch.tensor([min(r.params.top_k, logits.shape[-1]) for r in rows], dtype=torch.long, device=device),
+        torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=device),
+        torch.tensor([r.params.min_p for r in rows], dtype=torch.float32, device=device),
+        _uniforms(rows, device),
+    )
+
+
+def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+    """One float64 draw in [0, 1) a row. A seeded request draws from its own (CPU) generator, so its tokens are the
+    same on every device and whatever shares its step; the other rows are drawn in one call on the device."""
+    uniform = torch.rand(len(rows), dtype=torch.float64, device=device)
     seeded = [i for i, r in enumerate(rows) if r.generator is not None]
     if seeded:
-        cpu_rows = torch.empty(len(seeded), probs.shape[-1], dtype=probs.dtype)
-        for j, i in enumerate(seeded):
-            cpu_rows[j].exponential_(generator=rows[i].generator)
-        noise[seeded] = cpu_rows.to(probs.device)
-    return noise
+        drawn = [torch.rand((), dtype=torch.float64, generator=rows[i].generator) for i in seeded]
+        uniform[seeded] = torch.stack(drawn).to(device)
+    return uniform
 
 
 def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    # Stable: tied logits ranked by id, as the CPU kernel ranks them (bf16 logits tie often).
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     vocab = logits.shape[-1]
     device = logits.device
     top_k = torch.tensor([min(r.params.top_k, vocab) or vocab for r in rows], device=device)
@@ -151,6 +207,6 @@ def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=device)
     probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
     # Drop a token when the mass before it already reaches top_p (the first token always stays).
-    mask |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    mask |= (probs.double().cumsum(dim=-1) - probs.double()) >= top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

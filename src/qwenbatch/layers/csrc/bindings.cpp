@@ -41,6 +41,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("slots") = py::none(),
         py::arg("out") = py::none(), no_gil);
   m.def("greedy_tokens", &greedy_tokens, "each row's argmax and whether it holds an inf or a NaN, in one pass");
+  m.def("random_tokens", &random_tokens,
+        "each row's token drawn from one uniform number after temperature, top-k, top-p and min-p");
   // module_local: the tests load builds for several targets into one process.
   py::class_<Int8Weight>(m, "Int8Weight", py::module_local(), "a linear layer's weights in int8_linear's packed format")
       .def(py::init<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, bool>(),

@@ -28,6 +28,10 @@ std::string prefill_attention_isa();
 torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
                                 const c10::optional<torch::Tensor>& slots, const c10::optional<torch::Tensor>& out);
 std::tuple<torch::Tensor, torch::Tensor> greedy_tokens(const torch::Tensor& logits);
+// Each row's token drawn at random after temperature, top-k, top-p and min-p (sampling.cpp).
+std::tuple<torch::Tensor, torch::Tensor> random_tokens(const torch::Tensor& logits, const torch::Tensor& temperature,
+                                                       const torch::Tensor& top_k, const torch::Tensor& top_p,
+                                                       const torch::Tensor& min_p, const torch::Tensor& uniform);
 
 // A linear layer's weights in int8_linear's packed format.
 struct Int8Weight {

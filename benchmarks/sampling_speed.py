@@ -1,0 +1,98 @@
+"""Random sampling on the CPU: the sampler's CPU kernel (``SamplerKernels.random``, csrc/sampling.cpp) against its
+PyTorch path, side by side in one process. Never run by CI.
+
+Two parts: the sampler alone on [rows, 151,936] bf16 logits for each setting (median ms a call), and the default
+model on the random workload (all prompts at once, eos ignored), greedy and each setting, the engine with the kernel
+and without it (its PyTorch path), alternating runs; each row the median wall time of its runs.
+
+    .venv/bin/python benchmarks/sampling_speed.py --rows 1,64,256 --num-prompts 64 --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from qwenbatch import LLM, SamplingParams
+from qwenbatch.layers.cpu_kernels import greedy_tokens, random_tokens
+from qwenbatch.layers.sampler import SamplerKernels, SamplingRow, sample
+
+SETTINGS = {
+    "greedy": {"temperature": 0.0},
+    "temperature 0.7": {"temperature": 0.7},
+    "top-p 0.9": {"temperature": 0.7, "top_p": 0.9},
+    "top-k 20, top-p 0.8": {"temperature": 0.7, "top_k": 20, "top_p": 0.8},  # Qwen's generation_config.json
+    "min-p 0.05": {"temperature": 1.0, "min_p": 0.05},
+}
+KERNELS = SamplerKernels(greedy_tokens, random_tokens)
+TORCH_PATH = SamplerKernels(greedy_tokens)  # the engine's sampler before the random kernel
+
+
+def median_ms(fn, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def sampler_alone(rows: list[int]) -> None:
+    print("| rows | setting | PyTorch path ms | kernel ms | speed-up |\n| --- | --- | --- | --- | --- |")
+    for count in rows:
+        logits = (torch.randn(count, 151_936) * 3).to(torch.bfloat16)
+        for name, kwargs in SETTINGS.items():
+            params = [SamplingRow(SamplingParams(**kwargs), [], [], None, ()) for _ in range(count)]
+            before = median_ms(lambda x=logits, params=params: sample(x, params, TORCH_PATH))
+            after = median_ms(lambda x=logits, params=params: sample(x, params, KERNELS))
+            print(f"| {count} | {name} | {before:.2f} | {after:.2f} | {before / after:.1f}x |", flush=True)
+
+
+def end_to_end(num_prompts: int, input_len: int, output_len: int, runs: int) -> None:
+    llm = LLM("default", dtype="auto")
+    llm.generate([{"prompt_token_ids": [5] * 8}], SamplingParams(temperature=0.7, max_tokens=4), use_tqdm=False)
+    runner = llm.engine.runner
+    rng = random.Random(0)
+    walls: dict[tuple[str, str], list[float]] = {}
+    print(f"\n{num_prompts} prompts x {input_len} random tokens -> {output_len}, {runs} runs a cell (s, median)")
+    for run in range(runs):
+        for name, kwargs in SETTINGS.items():
+            sides = (("kernel", KERNELS), ("PyTorch path", TORCH_PATH))
+            for side, kernels in sides if run % 2 == 0 else sides[::-1]:
+                if name == "greedy" and side != "kernel":
+                    continue  # both take the greedy kernel
+                runner._sampler_kernels = kernels
+                prompts = [[rng.randrange(1000, 150_000) for _ in range(input_len)] for _ in range(num_prompts)]
+                params = SamplingParams(**kwargs, max_tokens=output_len, ignore_eos=True, seed=run)
+                start = time.perf_counter()
+                llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                walls.setdefault((name, side), []).append(time.perf_counter() - start)
+    runner._sampler_kernels = KERNELS
+    greedy = statistics.median(walls[("greedy", "kernel")])
+    print("| setting | PyTorch path s | kernel s | speed-up | kernel / greedy |\n| --- | --- | --- | --- | --- |")
+    for name in SETTINGS:
+        after = statistics.median(walls[(name, "kernel")])
+        before = statistics.median(walls.get((name, "PyTorch path"), [after]))
+        print(f"| {name} | {before:.2f} | {after:.2f} | {before / after:.2f}x | {after / greedy:.2f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,64,256", help="sampler alone: rows a call")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3, help="end to end: runs of each cell (0: skip)")
+    args = parser.parse_args()
+    sampler_alone([int(r) for r in args.rows.split(",")])
+    if args.runs:
+        end_to_end(args.num_prompts, args.input_len, args.output_len, args.runs)
+
+
+if __name__ == "__main__":
+    main()
