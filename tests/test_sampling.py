@@ -322,6 +322,27 @@ def test_presence_penalty_lowers_generated_tokens_by_a_constant():
     assert sample(logits, [row(encourage, output=[1])]).token_ids == [1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_penalties_leave_the_callers_logits_as_they_were(dtype):
+    logits = random_logits(3, seed=13).to(dtype)
+    before = logits.clone()
+    params = SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.5)
+    rows = [row(params, output=[1, 1, 2], prompt=[3], suppressed=(4,)) for _ in range(3)]
+    sample(logits, rows, PATHS["cpu-kernels"])
+    assert torch.equal(logits, before)
+
+
+def test_each_row_takes_only_its_own_penalties_and_suppressed_ids():
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.0]] * 4)
+    rows = [
+        row(SamplingParams(temperature=0, presence_penalty=1.0), output=[0]),
+        row(SamplingParams(temperature=0), output=[0]),
+        row(SamplingParams(temperature=0, repetition_penalty=4.0), prompt=[1, 0]),
+        row(SamplingParams(temperature=0), suppressed=(0, 1)),
+    ]
+    assert sample(logits, rows).token_ids == [1, 0, 2, 2]
+
+
 def test_frequency_penalty_grows_with_the_count():
     logits = torch.tensor([[2.0, 1.5, 0.0, 0.0]])
     p = SamplingParams(temperature=0, frequency_penalty=0.4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,18 +65,16 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], kernels: SamplerKernel
             return SamplerOutput(token_ids, [None] * len(rows), non_finite)
         if kernels.random is not None:
             return _sample_plain_rows(logits, rows, kernels)
-    logits = logits.float()
+    raw, logits = logits, logits.float()
     # One vectorised pass: a NaN or an inf anywhere makes the row's sum non-finite; finite logits would have
     # to average over 1e33 to overflow it. 34x faster than isfinite().all() on 64 x 151,936 logits
     # (0.84 vs 28.5 ms, AVX-512 BF16 kind): 7% of a 64-sequence decode step.
     non_finite = (~torch.isfinite(logits.sum(dim=-1))).tolist()
     logprobs = _top_logprobs_raw(logits, rows)
 
-    needs_edit = [i for i, r in enumerate(rows) if r.params.has_penalties or r.suppressed_token_ids]
-    if needs_edit:
-        logits = logits.clone()
-        for i in needs_edit:
-            _apply_penalties(logits[i], rows[i])
+    if any(r.params.has_penalties or r.suppressed_token_ids for r in rows):
+        # Edited in place: on a copy of the caller's logits only where float() returned them as they were.
+        logits = _apply_penalties(logits.clone() if logits.data_ptr() == raw.data_ptr() else logits, rows)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if len(random_rows) < len(rows):
         tokens = logits.argmax(dim=-1)
@@ -130,25 +129,41 @@ def _top_logprobs_raw(logits: torch.Tensor, rows: list[SamplingRow]):
     return lp, top_vals, top_ids
 
 
-def _apply_penalties(row_logits: torch.Tensor, row: SamplingRow) -> None:
-    p = row.params
-    vocab = row_logits.shape[0]
-    if row.suppressed_token_ids:
-        row_logits[list(row.suppressed_token_ids)] = float("-inf")
-    if not p.has_penalties:
-        return
-    device = row_logits.device
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(
-            sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long, device=device
-        )
-        if seen.numel():
-            vals = row_logits[seen]
-            row_logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if row.output_token_ids and (p.presence_penalty or p.frequency_penalty):
-        ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=device)
-        counts = torch.bincount(ids, minlength=vocab).float()
-        row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """``logits`` with each row's suppressed ids at -inf, then its repetition penalty on the ids its prompt or output
+    holds, then its presence and frequency penalties on the ids its output holds: each kind one indexed operation for
+    all rows, touching only those ids (a pass over the vocabulary a row cost ~1 ms at 151,936 logits)."""
+    device = logits.device
+
+    def index(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        at = torch.tensor(pairs, dtype=torch.long, device=device).reshape(-1, 2)
+        return at[:, 0], at[:, 1]
+
+    suppressed = [(i, t) for i, r in enumerate(rows) for t in r.suppressed_token_ids]
+    if suppressed:
+        logits[index(suppressed)] = float("-inf")
+    seen: list[tuple[int, int]] = []
+    factors: list[float] = []
+    for i, r in enumerate(rows):
+        if r.params.repetition_penalty != 1.0:
+            ids = set(r.prompt_token_ids) | set(r.output_token_ids)
+            seen += [(i, t) for t in sorted(ids)]
+            factors += [r.params.repetition_penalty] * len(ids)
+    if seen:
+        at = index(seen)
+        vals, factor = logits[at], torch.tensor(factors, dtype=logits.dtype, device=device)
+        logits[at] = torch.where(vals > 0, vals / factor, vals * factor)
+    counted: list[tuple[int, int]] = []
+    amounts: list[float] = []
+    for i, r in enumerate(rows):
+        p = r.params
+        if r.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+            for t, n in sorted(Counter(r.output_token_ids).items()):
+                counted.append((i, t))
+                amounts.append(p.frequency_penalty * n + p.presence_penalty)
+    if counted:
+        logits[index(counted)] -= torch.tensor(amounts, dtype=logits.dtype, device=device)
+    return logits
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], kernel: RandomKernel | None) -> torch.Tensor:
