@@ -125,6 +125,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         assert all(isinstance(t, int) for t in body["prompt"]) and body["ignore_eos"] is True
+        sampling = {{k: body[k] for k in ("temperature", "top_p", "top_k", "min_p")}}
+        open({log!r}, "a").write(json.dumps(sampling) + "\\n")
         self.reply({{"tokens_predicted": body["n_predict"], "tokens_evaluated": len(body["prompt"])}})
 
 
@@ -153,6 +155,32 @@ def test_bench_throughput_beside_llama_cpp_sends_it_the_same_requests(tiny_qwen2
     args = json.loads(log.read_text().splitlines()[0])
     assert args[args.index("-m") + 1] == str(gguf) and args[args.index("-np") + 1] == "3"
     assert args[args.index("--host") + 1] == "127.0.0.1"
+
+
+def test_bench_throughput_samples_every_system_at_the_asked_temperature(tiny_qwen2, tmp_path, monkeypatch):
+    gguf = tmp_path / "tiny.gguf"
+    write_gguf(tiny_qwen2, gguf)
+    bin_dir, log = tmp_path / "bin", tmp_path / "argv.log"
+    bin_dir.mkdir()
+    server = bin_dir / "llama-server"
+    server.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable, log=str(log)))
+    server.chmod(0o755)
+    monkeypatch.setenv("QWENBATCH_LLAMA_CPP", str(bin_dir))
+    out = tmp_path / "result.json"
+    argv = ["bench", "throughput", "--workload", "random", "--num-prompts", "4", "--input-len", "8-20"]
+    argv += ["--output-len", "3", "--model", str(gguf), "--dtype", "float32", "--kv-cache-memory", "16MiB"]
+    argv += ["--baseline", "transformers", "--baseline-batch-sizes", "2", "--baseline", "llama.cpp"]
+    assert main([*argv, "--temperature", "0.8", "--top-p", "0.9", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["sampling"] == {"temperature": 0.8, "top_p": 0.9}
+    assert [s["output_tokens"] for s in report["systems"]] == [12, 12, 12]
+    bodies = [json.loads(line) for line in log.read_text().splitlines()[1:]]
+    assert bodies == [{"temperature": 0.8, "top_p": 0.9, "top_k": 0, "min_p": 0.0}] * 4
+
+
+def test_bench_throughput_refuses_a_bad_top_p_before_running(capsys, tmp_path):
+    assert main(["bench", "throughput", "--top-p", "0", "--model", str(tmp_path / "no-such-model")]) == 2
+    assert "top_p" in capsys.readouterr().err
 
 
 def test_llama_cpp_baseline_needs_a_gguf(tiny_qwen2):

@@ -53,6 +53,14 @@ def warm_up(model, batch_size: int, pad_id: int) -> None:
         )
 
 
+def sampling_kwargs(request: BenchRequest) -> dict:
+    """``generate``'s sampling arguments for the request's settings (a workload's requests share them): greedy, or
+    temperature and top-p alone (top_k=0: transformers' default of 50 is no setting of ours)."""
+    if request.temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p, "top_k": 0}
+
+
 def run_static(model, requests: list[BenchRequest], batch_size: int, pad_id: int) -> StaticRun:
     """Generate every request's output_len tokens in length-sorted static batches.
 
@@ -76,7 +84,7 @@ def run_static(model, requests: list[BenchRequest], batch_size: int, pad_id: int
             model.generate(
                 input_ids=ids.to(model.device),
                 attention_mask=mask.to(model.device),
-                do_sample=False,
+                **sampling_kwargs(batch[0]),
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,
                 pad_token_id=pad_id,

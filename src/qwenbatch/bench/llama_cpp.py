@@ -105,8 +105,11 @@ async def _complete_all(server: LlamaServer, requests: list[BenchRequest], paral
             "prompt": r.prompt_token_ids,
             "n_predict": r.output_len,
             "ignore_eos": r.ignore_eos,
-            "temperature": 0.0,
-            "top_k": 1,
+            # The request's sampling and nothing else of llama.cpp's defaults (top-k 40, min-p 0.05).
+            "temperature": r.temperature,
+            "top_p": r.top_p,
+            "top_k": 1 if r.temperature == 0 else 0,
+            "min_p": 0.0,
             "cache_prompt": True,  # llama-server's own prompt reuse, as ours reuses cached prefixes
         }
         async with limit:

@@ -50,7 +50,8 @@ def matmul_params(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def run_ours(config: EngineConfig, requests: list[BenchRequest], llm=None) -> tuple[SystemResult, object]:
-    """Run ``requests`` on our engine (greedy, eos ignored); returns the result and the LLM for reuse."""
+    """Run ``requests`` on our engine (as each asks: greedy unless it sets a temperature); returns the result and the
+    LLM for reuse."""
     from qwenbatch.llm import LLM
 
     peak_kv = 0.0
@@ -60,7 +61,10 @@ def run_ours(config: EngineConfig, requests: list[BenchRequest], llm=None) -> tu
         llm.engine.warm_up()  # as the baseline is: its batch-size sweep, or a warm-up, runs before its timed run
         bm = llm.engine.block_manager
         hits0, queries0, preempt0 = bm.prefix_cache_hits, bm.prefix_cache_queries, llm.engine.scheduler.num_preemptions
-        params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=r.ignore_eos) for r in requests]
+        params = [
+            SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.output_len, ignore_eos=r.ignore_eos)
+            for r in requests
+        ]
         with PeakGPUMemory(llm.engine.device) if on_gpu else nullcontext() as gpu:
             start = time.perf_counter()
             outputs = []

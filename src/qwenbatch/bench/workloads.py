@@ -64,6 +64,8 @@ class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int  # tokens to generate (with ignore_eos), or at most (without)
     ignore_eos: bool = True  # synthetic workloads generate exactly output_len; real requests stop at eos
+    temperature: float = 0.0  # 0: greedy, as every system decodes unless asked (bench throughput --temperature)
+    top_p: float = 1.0
 
 
 def _tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:

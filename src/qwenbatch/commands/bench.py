@@ -14,7 +14,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tp = bench.add_parser(
         "throughput",
         help="offline throughput of a workload, optionally beside transformers",
-        description="Run a fixed-seed workload on our engine (greedy, eos ignored) and, with --baseline, on "
+        description="Run a fixed-seed workload on our engine (greedy unless --temperature, eos ignored) and, with "
+        "--baseline, on "
         "transformers.generate at its best static batch size and/or llama.cpp's llama-server on the same GGUF "
         "(one slot per --max-num-seqs), in the same run; print a table.",
     )
@@ -29,6 +30,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="also run this baseline (may be given twice); llama.cpp: built by benchmarks/build_llama_cpp.sh",
     )
     tp.add_argument("--baseline-batch-sizes", default="1,2,4,8,16,32", help="the baseline's sweep")
+    tp.add_argument(
+        "--temperature", type=float, default=0.0, help="every system samples at this temperature (default 0: greedy)"
+    )
+    tp.add_argument("--top-p", type=float, default=1.0, help="with --temperature: every system's top-p")
     tp.add_argument(
         "--compare-prefix-caching", action="store_true", help="run ours twice, with and without prefix caching"
     )
@@ -75,16 +80,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the sub-command; returns the exit code (errors raise ValueError for a one-line message)."""
+    import dataclasses
     import json
 
     from qwenbatch.bench.report import add_costs, check_price_per_hour, format_report, throughput_report
     from qwenbatch.bench.workloads import WORKLOADS, parse_range, random_workload
     from qwenbatch.loader import model_config_of
+    from qwenbatch.sampling_params import SamplingParams
 
     if args.price_per_hour is not None:
         check_price_per_hour(args.price_per_hour)  # before the run, not after minutes of it
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    SamplingParams(temperature=args.temperature, top_p=args.top_p)  # a bad value is refused before anything loads
     config = engine_config_from_args(args)
     vocab = model_config_of(config).vocab_size  # random prompt tokens must fit the model's vocabulary
     if args.workload == "random":
@@ -93,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         requests = WORKLOADS[args.workload](vocab)
+    requests = [dataclasses.replace(r, temperature=args.temperature, top_p=args.top_p) for r in requests]
     baselines = args.baseline or []
     sizes = [int(s) for s in args.baseline_batch_sizes.split(",")] if "transformers" in baselines else None
     report = throughput_report(
@@ -105,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         "llama.cpp" in baselines,
         args.repeats,
     )
+    report["sampling"] = {"temperature": args.temperature, "top_p": args.top_p}
     if args.price_per_hour is not None:
         add_costs(report, args.price_per_hour)
     print(format_report(report))
