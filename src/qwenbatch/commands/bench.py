@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         check_price_per_hour(args.price_per_hour)  # before the run, not after minutes of it
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
-    SamplingParams(temperature=args.temperature, top_p=args.top_p)  # a bad value is refused before anything loads
+    # Refused before anything loads where bad; a temperature below 1e-5 becomes greedy, as in a request.
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     config = engine_config_from_args(args)
     vocab = model_config_of(config).vocab_size  # random prompt tokens must fit the model's vocabulary
     if args.workload == "random":
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         requests = WORKLOADS[args.workload](vocab)
-    requests = [dataclasses.replace(r, temperature=args.temperature, top_p=args.top_p) for r in requests]
+    requests = [dataclasses.replace(r, temperature=sampling.temperature, top_p=sampling.top_p) for r in requests]
     baselines = args.baseline or []
     sizes = [int(s) for s in args.baseline_batch_sizes.split(",")] if "transformers" in baselines else None
     report = throughput_report(
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         "llama.cpp" in baselines,
         args.repeats,
     )
-    report["sampling"] = {"temperature": args.temperature, "top_p": args.top_p}
+    report["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p}
     if args.price_per_hour is not None:
         add_costs(report, args.price_per_hour)
     print(format_report(report))
