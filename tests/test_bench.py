@@ -134,7 +134,9 @@ ThreadingHTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Handler)
 '''
 
 
-def test_bench_throughput_beside_llama_cpp_sends_it_the_same_requests(tiny_qwen2, tmp_path, monkeypatch):
+@pytest.fixture
+def fake_llama_server(tiny_qwen2, tmp_path, monkeypatch):
+    """The tiny checkpoint as a GGUF, and FAKE_LLAMA_SERVER installed as the llama.cpp build: (gguf, its log)."""
     gguf = tmp_path / "tiny.gguf"
     write_gguf(tiny_qwen2, gguf)
     bin_dir, log = tmp_path / "bin", tmp_path / "argv.log"
@@ -143,6 +145,11 @@ def test_bench_throughput_beside_llama_cpp_sends_it_the_same_requests(tiny_qwen2
     server.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable, log=str(log)))
     server.chmod(0o755)
     monkeypatch.setenv("QWENBATCH_LLAMA_CPP", str(bin_dir))
+    return gguf, log
+
+
+def test_bench_throughput_beside_llama_cpp_sends_it_the_same_requests(fake_llama_server, tmp_path):
+    gguf, log = fake_llama_server
     out = tmp_path / "result.json"
     argv = ["bench", "throughput", "--workload", "random", "--num-prompts", "5", "--input-len", "8-20"]
     argv += ["--output-len", "2-4", "--model", str(gguf), "--dtype", "float32", "--kv-cache-memory", "16MiB"]
@@ -157,15 +164,8 @@ def test_bench_throughput_beside_llama_cpp_sends_it_the_same_requests(tiny_qwen2
     assert args[args.index("--host") + 1] == "127.0.0.1"
 
 
-def test_bench_throughput_samples_every_system_at_the_asked_temperature(tiny_qwen2, tmp_path, monkeypatch):
-    gguf = tmp_path / "tiny.gguf"
-    write_gguf(tiny_qwen2, gguf)
-    bin_dir, log = tmp_path / "bin", tmp_path / "argv.log"
-    bin_dir.mkdir()
-    server = bin_dir / "llama-server"
-    server.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable, log=str(log)))
-    server.chmod(0o755)
-    monkeypatch.setenv("QWENBATCH_LLAMA_CPP", str(bin_dir))
+def test_bench_throughput_samples_every_system_at_the_asked_temperature(fake_llama_server, tmp_path):
+    gguf, log = fake_llama_server
     out = tmp_path / "result.json"
     argv = ["bench", "throughput", "--workload", "random", "--num-prompts", "4", "--input-len", "8-20"]
     argv += ["--output-len", "3", "--model", str(gguf), "--dtype", "float32", "--kv-cache-memory", "16MiB"]

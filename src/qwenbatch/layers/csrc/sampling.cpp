@@ -1,15 +1,17 @@
 // Random sampling of one token per row: temperature, top-k, top-p and min-p, then a draw by the inverse of the
 // distribution's CDF, from one uniform number a row. The sampler's PyTorch path (layers/sampler.py) sorts each row
-// of 151,936 logits for top-k / top-p and draws 151,936 exponential numbers a row; on a 2-core CPU that took 276 ms
-// (temperature only) to 654 ms (top-p) a step at 64 rows, several times the model's own step. Here a row takes a few
-// vector passes over its logits; the kept set and the draw are the PyTorch path's:
-// - ys = logits / temperature; tokens ranked by y, ties by the lower id (a stable descending sort);
+// of 151,936 logits for top-k / top-p; before this kernel (and with an exponential race for the draw: 151,936
+// random numbers a row) it took 276 ms (temperature only) to 654 ms (top-p) a step at 64 rows on a 2-core CPU,
+// several times the model's own step. Here a row takes a few vector passes over its logits; the kept set and the
+// draw are the PyTorch path's:
+// - y = logit / temperature; tokens ranked by y, ties by the lower id (a stable descending sort);
 // - top-k keeps the first k of that ranking; top-p then keeps a token while the mass ranked before it is below
 //   top_p (of the top-k's mass); min-p drops a kept token whose weight is below min_p times the best one's;
 // - the draw is the first id, in vocabulary order, whose kept weights up to and including it exceed u times
 //   their total.
-// Top-p without top-k finds its cut from a histogram of the weights (their float bits: monotone in the weight), so
-// that only the tokens of the one bucket the cut falls in are sorted.
+// The cuts come from histograms of the weights by their float bits (monotone in the weight): top-k's of counts,
+// top-p's of mass, so that only the buckets at and above the cut (top-k) or the one bucket it falls in (top-p)
+// are sorted.
 #include "float_math.h"
 #include "ops.h"
 
