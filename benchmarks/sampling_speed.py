@@ -1,9 +1,10 @@
-"""Random sampling on the CPU: the sampler's CPU kernel (``SamplerKernels.random``, csrc/sampling.cpp) against its
-PyTorch path, side by side in one process. Never run by CI.
+"""Sampling on the CPU: the sampler's CPU kernels (``SamplerKernels``: csrc/sampling.cpp, csrc/logprobs.cpp) against
+its PyTorch path, side by side in one process. Never run by CI.
 
-Two parts: the sampler alone on [rows, 151,936] bf16 logits for each setting (median ms a call), and the default
-model on the random workload (all prompts at once, eos ignored), greedy and each setting, the engine with the kernel
-and without it (its PyTorch path), alternating runs; each row the median wall time of its runs.
+Two parts: the sampler alone on [rows, 151,936] bf16 logits for each setting (median ms a call; each row with a
+256-token prompt and 32 output tokens for the penalties to read), and the default model on the random workload (all
+prompts at once, eos ignored), greedy and each setting, the engine with the kernels and without them (its PyTorch
+path), alternating runs; each row the median wall time of its runs.
 
     .venv/bin/python benchmarks/sampling_speed.py --rows 1,64,256 --num-prompts 64 --runs 3
 """
@@ -18,7 +19,7 @@ import time
 import torch
 
 from qwenbatch import LLM, SamplingParams
-from qwenbatch.layers.cpu_kernels import greedy_tokens, random_tokens
+from qwenbatch.layers.cpu_kernels import greedy_tokens, sample_tokens, top_logprobs
 from qwenbatch.layers.sampler import SamplerKernels, SamplingRow, sample
 
 SETTINGS = {
@@ -27,9 +28,13 @@ SETTINGS = {
     "top-p 0.9": {"temperature": 0.7, "top_p": 0.9},
     "top-k 20, top-p 0.8": {"temperature": 0.7, "top_k": 20, "top_p": 0.8},  # Qwen's generation_config.json
     "min-p 0.05": {"temperature": 1.0, "min_p": 0.05},
+    "logprobs 5": {"temperature": 0.0, "logprobs": 5},
+    "temperature 0.7, logprobs 5": {"temperature": 0.7, "logprobs": 5},
+    "presence 0.5": {"temperature": 0.7, "presence_penalty": 0.5},
+    "Qwen's generation config": {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05},
 }
-KERNELS = SamplerKernels(greedy_tokens, random_tokens)
-TORCH_PATH = SamplerKernels(greedy_tokens)  # the engine's sampler before the random kernel
+KERNELS = SamplerKernels(greedy_tokens, sample_tokens, top_logprobs)
+TORCH_PATH = SamplerKernels(greedy_tokens)  # the engine's sampler before the sample and logprobs kernels
 
 
 def median_ms(fn, repeats: int = 5) -> float:
@@ -44,10 +49,12 @@ def median_ms(fn, repeats: int = 5) -> float:
 
 def sampler_alone(rows: list[int]) -> None:
     print("| rows | setting | PyTorch path ms | kernel ms | speed-up |\n| --- | --- | --- | --- | --- |")
+    rng = random.Random(0)
     for count in rows:
         logits = (torch.randn(count, 151_936) * 3).to(torch.bfloat16)
+        histories = [[rng.randrange(151_936) for _ in range(256 + 32)] for _ in range(count)]
         for name, kwargs in SETTINGS.items():
-            params = [SamplingRow(SamplingParams(**kwargs), [], [], None, ()) for _ in range(count)]
+            params = [SamplingRow(SamplingParams(**kwargs), h[256:], h[:256], None, ()) for h in histories]
             before = median_ms(lambda x=logits, params=params: sample(x, params, TORCH_PATH))
             after = median_ms(lambda x=logits, params=params: sample(x, params, KERNELS))
             print(f"| {count} | {name} | {before:.2f} | {after:.2f} | {before / after:.1f}x |", flush=True)

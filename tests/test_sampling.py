@@ -13,7 +13,7 @@ import torch
 from qwenbatch import LLM, SamplingParams
 from qwenbatch.engine.memory import BLOCK_BOOKKEEPING_BYTES_PER_TOKEN
 from qwenbatch.engine.model_runner import kv_cache_bytes_per_token
-from qwenbatch.layers.cpu_kernels import greedy_tokens, random_tokens
+from qwenbatch.layers.cpu_kernels import greedy_tokens, sample_tokens, top_logprobs
 from qwenbatch.layers.sampler import SamplerKernels, SamplingRow, sample
 from qwenbatch.models.config import ModelConfig
 
@@ -38,8 +38,8 @@ def random_logits(rows: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=gen(seed)) * scale
 
 
-# The sampler's PyTorch path, and the CPU's kernels that take over its greedy and random rows.
-PATHS = {"torch": None, "cpu-kernels": SamplerKernels(greedy_tokens, random_tokens)}
+# The sampler's PyTorch path, and the CPU's kernels that take over all of it.
+PATHS = {"torch": None, "cpu-kernels": SamplerKernels(greedy_tokens, sample_tokens, top_logprobs)}
 paths = pytest.mark.parametrize("kernels", PATHS.values(), ids=PATHS.keys())
 
 
@@ -309,30 +309,103 @@ def test_non_finite_rows_are_flagged_and_other_rows_still_sample(kernels):
     assert out.token_ids[3] == int(logits[3].argmax())
 
 
-def test_presence_penalty_lowers_generated_tokens_by_a_constant():
+@paths
+def test_presence_penalty_lowers_generated_tokens_by_a_constant(kernels):
     logits = torch.tensor([[2.0, 1.5, 0.0, 0.0]])
     greedy = SamplingParams(temperature=0, presence_penalty=1.0)
-    assert sample(logits, [row(greedy, output=[0])]).token_ids == [1]
-    assert sample(logits, [row(greedy, prompt=[0])]).token_ids == [0]  # prompt tokens are not penalised
+    assert sample(logits, [row(greedy, output=[0])], kernels).token_ids == [1]
+    assert sample(logits, [row(greedy, prompt=[0])], kernels).token_ids == [0]  # prompt tokens are not penalised
     # Presence does not grow with the count: 2.0 - 0.4 > 1.5 however often token 0 appeared.
     mild = SamplingParams(temperature=0, presence_penalty=0.4)
-    assert sample(logits, [row(mild, output=[0, 0, 0])]).token_ids == [0]
+    assert sample(logits, [row(mild, output=[0, 0, 0])], kernels).token_ids == [0]
     # A negative penalty encourages repetition.
     encourage = SamplingParams(temperature=0, presence_penalty=-1.0)
-    assert sample(logits, [row(encourage, output=[1])]).token_ids == [1]
+    assert sample(logits, [row(encourage, output=[1])], kernels).token_ids == [1]
 
 
+@paths
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_penalties_leave_the_callers_logits_as_they_were(dtype):
+def test_penalties_leave_the_callers_logits_as_they_were(dtype, kernels):
     logits = random_logits(3, seed=13).to(dtype)
     before = logits.clone()
     params = SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.5)
     rows = [row(params, output=[1, 1, 2], prompt=[3], suppressed=(4,)) for _ in range(3)]
-    sample(logits, rows, PATHS["cpu-kernels"])
+    sample(logits, rows, kernels)
     assert torch.equal(logits, before)
 
 
-def test_each_row_takes_only_its_own_penalties_and_suppressed_ids():
+def test_the_kernels_pick_the_torch_path_tokens_for_penalised_and_suppressed_rows():
+    """Penalties and suppressed ids reach the sample kernel as edits of a few logits: over the real vocabulary's size,
+    in bf16 and float32, greedy and random rows pick the PyTorch path's tokens. Each row's history holds its best
+    tokens, so the edits move its pick: down past the best (the kernel must find the new maximum), or, with a negative
+    penalty, up."""
+    settings = [
+        SamplingParams(temperature=0, presence_penalty=1.5),
+        SamplingParams(temperature=0, repetition_penalty=1.3),
+        SamplingParams(temperature=0, frequency_penalty=-2.0),  # lifts the second best (its history's token)
+        SamplingParams(temperature=0, frequency_penalty=0.7),
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05),
+        SamplingParams(temperature=0.7, presence_penalty=0.5, min_p=0.1),
+        SamplingParams(temperature=1.0, top_p=0.9, frequency_penalty=0.4, presence_penalty=0.2),
+        SamplingParams(temperature=0),  # suppressed ids only
+    ]
+
+    def rows(best: list[list[int]]) -> list[SamplingRow]:
+        picked = []
+        for i, top in enumerate(best):
+            params = settings[i % len(settings)]
+            spread = [(i * 7919 + j * 104_729) % 151_936 for j in range(300)]
+            output = [top[1]] * 3 if params.frequency_penalty < 0 else [top[0], top[0], top[2]]
+            picked.append(row(params, output + spread[:40], [top[1], *spread[40:]], gen(300 + i), (top[3],)))
+        return picked
+
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = (torch.randn(2 * len(settings), 151_936, generator=gen(21)) * 3).to(dtype)
+        best = logits.float().topk(4, dim=-1).indices.tolist()
+        want = sample(logits, rows(best))
+        got = sample(logits, rows(best), PATHS["cpu-kernels"])
+        assert got.token_ids == want.token_ids
+        assert got.non_finite == want.non_finite == [False] * len(logits)
+        plain = sample(logits, [row(settings[i % len(settings)], generator=gen(300 + i)) for i in range(len(logits))])
+        assert sum(a != b for a, b in zip(plain.token_ids, want.token_ids, strict=True)) >= len(logits) // 2
+
+
+COUNTS = (0, 1, 5, 20, 20, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_logprobs_kernel_returns_the_torch_path_log_probabilities(dtype):
+    logits = (torch.randn(6, 151_936, generator=gen(22)) * 4).to(dtype)
+
+    def rows() -> list[SamplingRow]:
+        return [row(SamplingParams(temperature=0.8, logprobs=k), generator=gen(i)) for i, k in enumerate(COUNTS)]
+
+    want, got = sample(logits, rows()), sample(logits, rows(), PATHS["cpu-kernels"])
+    assert got.token_ids == want.token_ids
+    exact = torch.log_softmax(logits.double(), dim=-1)
+    for i, count in enumerate(COUNTS):
+        assert got.token_ids[i] in got.logprobs[i]
+        assert len(got.logprobs[i]) in (count, count + 1)
+        for token, value in got.logprobs[i].items():
+            assert value == pytest.approx(exact[i, token].item(), abs=5e-6)  # float32 values near 20 are 2e-6 apart
+        # The same top values (the PyTorch path's float32 sums differ by up to ~1e-5); in bf16, tied logits may take
+        # other ids of the same value.
+        assert sorted(got.logprobs[i].values()) == pytest.approx(sorted(want.logprobs[i].values()), abs=3e-5)
+        if dtype == torch.float32:
+            assert got.logprobs[i].keys() == want.logprobs[i].keys()
+
+
+def test_the_logprobs_kernel_ranks_tied_logits_by_id_and_pads_past_the_vocabulary():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0], [float("-inf"), 2.0, float("-inf"), 1.0, float("-inf")]])
+    lse, values, ids = top_logprobs(logits.bfloat16(), 7)
+    assert ids[0, :4].tolist() == [1, 2, 4, 0] and ids[1, :2].tolist() == [1, 3]
+    assert lse.tolist() == pytest.approx(torch.logsumexp(logits, dim=-1).tolist(), abs=1e-6)
+    assert values[0, :3].tolist() == pytest.approx([3.0 - lse[0].item()] * 3)
+    assert values[:, 5:].tolist() == [[float("-inf")] * 2] * 2  # k past the vocabulary of 5
+
+
+@paths
+def test_each_row_takes_only_its_own_penalties_and_suppressed_ids(kernels):
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.0]] * 4)
     rows = [
         row(SamplingParams(temperature=0, presence_penalty=1.0), output=[0]),
@@ -340,23 +413,25 @@ def test_each_row_takes_only_its_own_penalties_and_suppressed_ids():
         row(SamplingParams(temperature=0, repetition_penalty=4.0), prompt=[1, 0]),
         row(SamplingParams(temperature=0), suppressed=(0, 1)),
     ]
-    assert sample(logits, rows).token_ids == [1, 0, 2, 2]
+    assert sample(logits, rows, kernels).token_ids == [1, 0, 2, 2]
 
 
-def test_frequency_penalty_grows_with_the_count():
+@paths
+def test_frequency_penalty_grows_with_the_count(kernels):
     logits = torch.tensor([[2.0, 1.5, 0.0, 0.0]])
     p = SamplingParams(temperature=0, frequency_penalty=0.4)
-    assert sample(logits, [row(p, output=[0])]).token_ids == [0]  # 2.0 - 0.4 = 1.6 > 1.5
-    assert sample(logits, [row(p, output=[0, 0])]).token_ids == [1]  # 2.0 - 0.8 = 1.2 < 1.5
+    assert sample(logits, [row(p, output=[0])], kernels).token_ids == [0]  # 2.0 - 0.4 = 1.6 > 1.5
+    assert sample(logits, [row(p, output=[0, 0])], kernels).token_ids == [1]  # 2.0 - 0.8 = 1.2 < 1.5
 
 
-def test_repetition_penalty_pushes_seen_tokens_down_whatever_their_sign():
+@paths
+def test_repetition_penalty_pushes_seen_tokens_down_whatever_their_sign(kernels):
     p = SamplingParams(temperature=0, repetition_penalty=2.0)
     positive = torch.tensor([[2.0, 1.5, -5.0]])
-    assert sample(positive, [row(p, prompt=[0])]).token_ids == [1]  # 2.0 / 2 = 1.0 < 1.5
+    assert sample(positive, [row(p, prompt=[0])], kernels).token_ids == [1]  # 2.0 / 2 = 1.0 < 1.5
     negative = torch.tensor([[-1.0, -1.5, -5.0]])
-    assert sample(negative, [row(p, output=[0])]).token_ids == [1]  # -1.0 * 2 = -2.0 < -1.5
-    assert sample(negative, [row(SamplingParams(temperature=0), output=[0])]).token_ids == [0]
+    assert sample(negative, [row(p, output=[0])], kernels).token_ids == [1]  # -1.0 * 2 = -2.0 < -1.5
+    assert sample(negative, [row(SamplingParams(temperature=0), output=[0])], kernels).token_ids == [0]
 
 
 @paths
@@ -372,7 +447,8 @@ def test_suppressed_ids_are_never_picked(kernels):
     assert picked <= {0, 3} and 3 in picked
 
 
-def test_logprobs_hold_the_sampled_token_and_the_top_k_of_the_raw_logits():
+@paths
+def test_logprobs_hold_the_sampled_token_and_the_top_k_of_the_raw_logits(kernels):
     logits = random_logits(3, seed=9)
     raw_lp = torch.log_softmax(logits, dim=-1)
     best = logits[0].argmax().item()
@@ -384,7 +460,7 @@ def test_logprobs_hold_the_sampled_token_and_the_top_k_of_the_raw_logits():
     ]
     lowered = logits.clone()
     lowered[0, best] -= 2.0
-    out = sample(logits, rows)
+    out = sample(logits, rows, kernels)
     assert out.token_ids[0] == int(lowered[0].argmax()) != best
     assert out.logprobs[1] is None
     for i, k in ((0, 1), (2, 5)):
@@ -396,9 +472,10 @@ def test_logprobs_hold_the_sampled_token_and_the_top_k_of_the_raw_logits():
     assert set(out.logprobs[0]) == {best, out.token_ids[0]}
 
 
-def test_logprobs_zero_returns_only_the_sampled_token():
+@paths
+def test_logprobs_zero_returns_only_the_sampled_token(kernels):
     logits = random_logits(1, seed=10)
-    out = sample(logits, [row(SamplingParams(temperature=0, logprobs=0))])
+    out = sample(logits, [row(SamplingParams(temperature=0, logprobs=0))], kernels)
     token = out.token_ids[0]
     assert out.logprobs == [{token: pytest.approx(torch.log_softmax(logits[0], -1)[token].item(), abs=1e-5)}]
 

@@ -24,6 +24,7 @@ from torch import nn
 from qwenbatch.layers.activation import SiluAndMul
 from qwenbatch.layers.norm import RMSNorm
 from qwenbatch.layers.rotary import Rope, RotaryEmbedding
+from qwenbatch.layers.sampler import LogitEdits, RowSettings
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ _SOURCES = (
     "decode_layer.cpp",
     "host_allocator.cpp",
     "sampling.cpp",
+    "logprobs.cpp",
 )
 # Float operations may be assumed not to trap (no value changes): without it GCC will not turn a comparison into a
 # blend where it has no masked instructions, and with AVX2 only every loop calling qb::vec_exp (SiLU, softmax)
@@ -166,19 +168,21 @@ def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     return tokens.tolist(), non_finite.tolist()
 
 
-def random_tokens(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    uniform: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's token drawn by the inverse CDF at ``uniform`` after temperature, top-k, top-p and min-p, as the
-    sampler's PyTorch path draws it, in a few vector passes over each row rather than a sort, and whether the row
-    holds an inf or a NaN: the sampler's ``SamplerKernels.random`` (layers/sampler.py). Logits [R, vocab] in any
-    float dtype; the rest one value a row (``sampler._random_params``)."""
-    return kernels().random_tokens(logits, temperature, top_k, top_p, min_p, uniform)
+def sample_tokens(logits: torch.Tensor, settings: RowSettings, edits: LogitEdits) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's token drawn by the inverse CDF at its uniform number after temperature, top-k, top-p and min-p (at
+    temperature 0: its argmax), with ``edits`` in place of their logits, as the sampler's PyTorch path picks it, in a
+    few vector passes over each row rather than a sort; and whether the row itself holds an inf or a NaN: the
+    sampler's ``SamplerKernels.sample`` (layers/sampler.py). Logits [R, vocab] in any float dtype."""
+    s = settings
+    return kernels().sample_tokens(
+        logits, s.temperature, s.top_k, s.top_p, s.min_p, s.uniform, edits.starts, edits.ids, edits.values
+    )
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's log-sum-exp and its ``k`` largest logits as log-probabilities (best first, ties by the lower id)
+    with their ids, read from logits [R, vocab] in their own dtype: the sampler's ``SamplerKernels.logprobs``."""
+    return kernels().top_logprobs(logits, k)
 
 
 def use_cpu_kernels(model: nn.Module) -> int:

@@ -1,5 +1,6 @@
 // The CPU kernels module: int8_linear.cpp, dequantize.cpp, quantize.cpp, cpu_ops.cpp, decode_attention.cpp,
-// prefill_attention.cpp, decode_layer.cpp and host_allocator.cpp, built together by layers/cpu_kernels.py.
+// prefill_attention.cpp, decode_layer.cpp, host_allocator.cpp, sampling.cpp and logprobs.cpp, built together by
+// layers/cpu_kernels.py.
 #include "int8_tasks.h"
 #include "ops.h"
 
@@ -41,8 +42,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("slots") = py::none(),
         py::arg("out") = py::none(), no_gil);
   m.def("greedy_tokens", &greedy_tokens, "each row's argmax and whether it holds an inf or a NaN, in one pass");
-  m.def("random_tokens", &random_tokens,
-        "each row's token drawn from one uniform number after temperature, top-k, top-p and min-p");
+  m.def("sample_tokens", &sample_tokens,
+        "each row's token drawn from one uniform number after temperature, top-k, top-p and min-p (temperature 0: "
+        "the argmax), a few of its logits edited",
+        no_gil);
+  m.def("top_logprobs", &top_logprobs, "each row's log-sum-exp and its k best logits as log-probabilities, with ids",
+        no_gil);
   // module_local: the tests load builds for several targets into one process.
   py::class_<Int8Weight>(m, "Int8Weight", py::module_local(), "a linear layer's weights in int8_linear's packed format")
       .def(py::init<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, bool>(),

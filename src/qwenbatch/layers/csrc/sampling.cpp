@@ -1,19 +1,22 @@
-// Random sampling of one token per row: temperature, top-k, top-p and min-p, then a draw by the inverse of the
-// distribution's CDF, from one uniform number a row. The sampler's PyTorch path (layers/sampler.py) sorts each row
-// of 151,936 logits for top-k / top-p; before this kernel (and with an exponential race for the draw: 151,936
-// random numbers a row) it took 276 ms (temperature only) to 654 ms (top-p) a step at 64 rows on a 2-core CPU,
-// several times the model's own step. Here a row takes a few vector passes over its logits; the kept set and the
-// draw are the PyTorch path's:
+// Sampling one token per row: temperature, top-k, top-p and min-p, then a draw by the inverse of the distribution's
+// CDF, from one uniform number a row; or, at temperature 0, the argmax. Penalties and suppressed tokens come as edits:
+// new values for a few logits of a row, which stand in for the row's own. The sampler's PyTorch path
+// (layers/sampler.py) sorts each row of 151,936 logits for top-k / top-p; before this kernel (and with an
+// exponential race for the draw: 151,936 random numbers a row) it took 276 ms (temperature only) to 654 ms
+// (top-p) a step at 64 rows on a 2-core CPU, several times the model's own step. Here a row takes a few vector
+// passes over its logits; the kept set and the draw are the PyTorch path's:
 // - y = logit / temperature; tokens ranked by y, ties by the lower id (a stable descending sort);
 // - top-k keeps the first k of that ranking; top-p then keeps a token while the mass ranked before it is below
 //   top_p (of the top-k's mass); min-p drops a kept token whose weight is below min_p times the best one's;
 // - the draw is the first id, in vocabulary order, whose kept weights up to and including it exceed u times
-//   their total.
+//   their total;
+// - at temperature 0, the first id holding the largest logit (as argmax).
 // The cuts come from histograms of the weights by their float bits (monotone in the weight): top-k's of counts,
 // top-p's of mass, so that only the buckets at and above the cut (top-k) or the one bucket it falls in (top-p)
-// are sorted.
+// are sorted. A small top-k (Qwen's generation config asks for 20) is selected directly, and only its weights taken.
 #include "float_math.h"
 #include "ops.h"
+#include "top_k.h"
 
 #include <ATen/Parallel.h>
 
@@ -33,11 +36,17 @@ constexpr int kBucketShift = 20;
 constexpr int kBuckets = 1 << (32 - kBucketShift);
 // Weights are summed in blocks of this many (float32, vectorized), the blocks in double.
 constexpr int64_t kBlock = 256;
+// A top-k up to this many is found by qb::select_top_k (its cost grows with k), a larger one from a histogram.
+constexpr int64_t kSmallTopK = 64;
 
 struct RowParams {
-  float temperature, top_p, min_p;
-  int64_t top_k;  // 0: off
-  double u;       // in [0, 1)
+  float temperature, top_p, min_p;  // temperature 0: the argmax
+  int64_t top_k;                    // 0: off
+  double u;                         // in [0, 1)
+  // The row's edited logits: ids[j] takes values[j] in place of its own (float32, already penalised).
+  const int64_t* edit_ids;
+  const float* edit_values;
+  int64_t edits;
 };
 
 // A candidate of the ranking: its scaled logit, id and weight.
@@ -106,24 +115,77 @@ float bucket_end(int bucket) {
   return f;
 }
 
-// Row `logits` (any float dtype) sampled as the file's header says; `non_finite` set where it holds an inf or a NaN.
+// The first index of `top` in y.
+int64_t first_of(const float* y, int64_t vocab, float top) {
+  for (int64_t block = 0; block < vocab; block += kBlock) {
+    const int64_t end = std::min(vocab, block + kBlock);
+    int found = 0;
+#pragma omp simd reduction(| : found)
+    for (int64_t i = block; i < end; ++i) found |= y[i] == top;
+    if (found) {
+      while (y[block] != top) ++block;
+      return block;
+    }
+  }
+  return 0;
+}
+
+// A row whose top-k is small: its k best found by comparing blocks of y with the k-th best as vectors, and only
+// their weights taken; cut by top-p and min-p and drawn as below, in vocabulary order.
+int64_t draw_from_top_k(const float* y, int64_t vocab, float top, const RowParams& p, Scratch& s) {
+  qb::TopK best(p.top_k);
+  qb::select_top_k(y, vocab, best);
+  s.ranked.clear();
+  for (const auto& [v, id] : best.best()) s.ranked.push_back({v, id, v == kNegInf ? 0.f : qb::vec_exp(v - top)});
+  size_t kept = s.ranked.size();
+  if (p.top_p < 1.f) {
+    double mass = 0.0;
+    for (const Ranked& r : s.ranked) mass += r.w;
+    kept = top_p_keeps(s.ranked, 0.0, p.top_p * mass);
+  }
+  s.ranked.resize(kept);
+  const float min_w = p.min_p;
+  s.ranked.erase(std::remove_if(s.ranked.begin(), s.ranked.end(),
+                                [min_w](const Ranked& r) { return !(r.w >= min_w && r.w > 0.f); }),
+                 s.ranked.end());
+  if (s.ranked.empty()) return 0;
+  std::sort(s.ranked.begin(), s.ranked.end(), [](const Ranked& a, const Ranked& b) { return a.id < b.id; });
+  double total = 0.0;
+  for (const Ranked& r : s.ranked) total += r.w;
+  const double target = p.u * total;
+  double running = 0.0;
+  for (const Ranked& r : s.ranked) {
+    running += r.w;
+    if (running > target) return r.id;
+  }
+  return s.ranked.back().id;  // u * total past the sum by rounding: the last kept token
+}
+
+// Row `logits` (any float dtype) sampled as the file's header says; `non_finite` set where the row itself (not its
+// edits) holds an inf or a NaN.
 template <typename T>
 int64_t sample_row(const T* logits, int64_t vocab, const RowParams& p, Scratch& s, bool& non_finite) {
   float* y = s.y.data();
   float* w = s.w.data();
   float top = kNegInf, poison = 0.f;  // poison: NaN where a logit is an inf or a NaN (inf * 0)
-  const float temperature = p.temperature;
+  const float temperature = p.temperature > 0.f ? p.temperature : 1.f;
 #pragma omp simd reduction(max : top) reduction(+ : poison)
   for (int64_t i = 0; i < vocab; ++i) {
     const float x = qb::to_f32(logits[i]);
     poison += x * 0.f;
     y[i] = x / temperature;  // a division, as the PyTorch path's: the same values, so the same ranking
-    top = std::max(top, y[i]);
+    top = qb::max_of(top, y[i]);
   }
-  // An inf or a NaN fails the request, but -inf is also how the sampler suppresses a token in logits it edited:
-  // those rows still sample (a NaN makes the total NaN below, and the token 0).
   non_finite = !(poison == 0.f);
+  if (p.edits > 0) {  // -inf here is a suppressed token: the row still samples
+    for (int64_t j = 0; j < p.edits; ++j) y[p.edit_ids[j]] = p.edit_values[j] / temperature;
+    top = kNegInf;
+#pragma omp simd reduction(max : top)
+    for (int64_t i = 0; i < vocab; ++i) top = qb::max_of(top, y[i]);
+  }
   if (!std::isfinite(top)) return 0;  // an inf, or every logit -inf
+  if (p.temperature <= 0.f) return first_of(y, vocab, top);
+  if (p.top_k > 0 && p.top_k <= kSmallTopK && p.top_k < vocab) return draw_from_top_k(y, vocab, top, p, s);
 #pragma omp simd
   for (int64_t i = 0; i < vocab; ++i) w[i] = y[i] == kNegInf ? 0.f : qb::vec_exp(y[i] - top);
 
@@ -196,40 +258,69 @@ int64_t sample_row(const T* logits, int64_t vocab, const RowParams& p, Scratch& 
   return last_kept;  // u * total past the sum by rounding: the last kept token
 }
 
+// One row's settings, and its edits: row r's are edit_ids / edit_values [edit_starts[r], edit_starts[r + 1]).
+struct Settings {
+  const float *temperature, *top_p, *min_p;
+  const int64_t* top_k;
+  const double* uniform;
+  const int64_t *edit_starts, *edit_ids;
+  const float* edit_values;
+
+  RowParams row(int64_t r) const {
+    const int64_t begin = edit_starts[r];
+    return {temperature[r],      top_p[r],          min_p[r], top_k[r], uniform[r], edit_ids + begin,
+            edit_values + begin, edit_starts[r + 1] - begin};
+  }
+};
+
 template <typename T>
-void sample_rows(const T* logits, int64_t rows, int64_t vocab, const float* temperature, const int64_t* top_k,
-                 const float* top_p, const float* min_p, const double* uniform, int64_t* tokens, bool* non_finite) {
+void sample_rows(const T* logits, int64_t rows, int64_t vocab, const Settings& settings, int64_t* tokens,
+                 bool* non_finite) {
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     Scratch scratch(vocab);
-    for (int64_t r = r0; r < r1; ++r) {
-      const RowParams p{temperature[r], top_p[r], min_p[r], top_k[r], uniform[r]};
-      tokens[r] = sample_row(logits + r * vocab, vocab, p, scratch, non_finite[r]);
-    }
+    for (int64_t r = r0; r < r1; ++r)
+      tokens[r] = sample_row(logits + r * vocab, vocab, settings.row(r), scratch, non_finite[r]);
   });
 }
 
 }  // namespace
 
-// logits: [R, vocab] float32, bfloat16 or float16; temperature (> 0), top_p, min_p: float32 [R]; top_k: int64 [R]
-// (0: off); uniform: float64 [R] in [0, 1). Returns each row's token (int64 [R]) and whether the row held an inf or
-// a NaN (bool [R]).
-std::tuple<torch::Tensor, torch::Tensor> random_tokens(const torch::Tensor& logits, const torch::Tensor& temperature,
+// logits: [R, vocab] float32, bfloat16 or float16; temperature (>= 0; 0: the argmax), top_p, min_p: float32 [R];
+// top_k: int64 [R] (0: off); uniform: float64 [R] in [0, 1); edit_starts: int64 [R + 1], row r's edits at
+// [edit_starts[r], edit_starts[r + 1]) of edit_ids (int64, each < vocab) and edit_values (float32). Returns each row's
+// token (int64 [R]) and whether the row held an inf or a NaN (bool [R]).
+std::tuple<torch::Tensor, torch::Tensor> sample_tokens(const torch::Tensor& logits, const torch::Tensor& temperature,
                                                        const torch::Tensor& top_k, const torch::Tensor& top_p,
-                                                       const torch::Tensor& min_p, const torch::Tensor& uniform) {
-  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "random_tokens: logits must be [rows, vocab]");
+                                                       const torch::Tensor& min_p, const torch::Tensor& uniform,
+                                                       const torch::Tensor& edit_starts, const torch::Tensor& edit_ids,
+                                                       const torch::Tensor& edit_values) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "sample_tokens: logits must be [rows, vocab]");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   const auto check = [&](const torch::Tensor& t, torch::ScalarType type, const char* name) {
-    TORCH_CHECK(t.dim() == 1 && t.size(0) == rows && t.scalar_type() == type, "random_tokens: ", name,
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == rows && t.scalar_type() == type, "sample_tokens: ", name,
                 " must be one value a row of type ", type);
     return t.contiguous();
   };
   const torch::Tensor x = logits.contiguous(), t = check(temperature, torch::kFloat32, "temperature"),
                       k = check(top_k, torch::kInt64, "top_k"), tp = check(top_p, torch::kFloat32, "top_p"),
                       mp = check(min_p, torch::kFloat32, "min_p"), u = check(uniform, torch::kFloat64, "uniform");
+  TORCH_CHECK(edit_starts.dim() == 1 && edit_starts.size(0) == rows + 1 && edit_starts.scalar_type() == torch::kInt64,
+              "sample_tokens: edit_starts must be int64 [rows + 1]");
+  TORCH_CHECK(edit_ids.dim() == 1 && edit_ids.scalar_type() == torch::kInt64 && edit_values.dim() == 1 &&
+                  edit_values.scalar_type() == torch::kFloat32 && edit_values.size(0) == edit_ids.size(0),
+              "sample_tokens: edit_ids (int64) and edit_values (float32) must be one list of the same length");
+  const torch::Tensor starts = edit_starts.contiguous(), ids = edit_ids.contiguous(), values = edit_values.contiguous();
+  const int64_t* s = starts.data_ptr<int64_t>();
+  TORCH_CHECK(s[0] == 0 && s[rows] == ids.size(0), "sample_tokens: edit_starts must run from 0 to the edits' count");
+  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(s[r] <= s[r + 1], "sample_tokens: edit_starts must not decrease");
+  TORCH_CHECK(ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < vocab),
+              "sample_tokens: an edit's id lies outside the vocabulary");
+  const Settings settings{t.data_ptr<float>(),   tp.data_ptr<float>(), mp.data_ptr<float>(), k.data_ptr<int64_t>(),
+                          u.data_ptr<double>(),  s,                    ids.data_ptr<int64_t>(),
+                          values.data_ptr<float>()};
   torch::Tensor tokens = torch::empty({rows}, torch::kInt64), non_finite = torch::empty({rows}, torch::kBool);
-  QB_DISPATCH(x.scalar_type(), "random_tokens",
-              sample_rows(x.data_ptr<scalar_t>(), rows, vocab, t.data_ptr<float>(), k.data_ptr<int64_t>(),
-                          tp.data_ptr<float>(), mp.data_ptr<float>(), u.data_ptr<double>(),
-                          tokens.data_ptr<int64_t>(), non_finite.data_ptr<bool>()));
+  QB_DISPATCH(x.scalar_type(), "sample_tokens",
+              sample_rows(x.data_ptr<scalar_t>(), rows, vocab, settings, tokens.data_ptr<int64_t>(),
+                          non_finite.data_ptr<bool>()));
   return {tokens, non_finite};
 }

@@ -1,0 +1,57 @@
+// The k largest values of a row, best first, ties by the lower index: for the logprobs kernel's top_logprobs and the
+// sampling kernel's top-k, where k is small next to the vocabulary (20 in Qwen's generation config, at most 20 for
+// an OpenAI top_logprobs).
+#pragma once
+#include "float_math.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace qb {
+
+// The k largest values offered so far, best first; ties keep the lower index first (indices must be offered in
+// increasing order).
+class TopK {
+ public:
+  explicit TopK(int64_t k) : k_(k) { best_.reserve(k + 1); }
+
+  // What a value must exceed to enter: -inf until k values are held (a -inf enters only while fewer are).
+  float threshold() const { return full() ? best_.back().first : -std::numeric_limits<float>::infinity(); }
+  bool full() const { return static_cast<int64_t>(best_.size()) == k_; }
+
+  void offer(float v, int64_t index) {
+    if (full() && !(v > best_.back().first)) return;
+    auto at = std::find_if(best_.begin(), best_.end(), [v](const auto& e) { return e.first < v; });
+    best_.insert(at, {v, index});
+    if (static_cast<int64_t>(best_.size()) > k_) best_.pop_back();
+  }
+
+  // (value, index) pairs, best first: at most k.
+  const std::vector<std::pair<float, int64_t>>& best() const { return best_; }
+
+ private:
+  int64_t k_;
+  std::vector<std::pair<float, int64_t>> best_;
+};
+
+// The k largest of x[0, n) (read as float32) into `best`. Blocks of x are compared with the k-th best as vectors,
+// and a block is looked at one value at a time only when it holds a better one: after the first few blocks, few
+// do (~k ln(n / k) values enter in all on random rows).
+template <typename T>
+void select_top_k(const T* x, int64_t n, TopK& best) {
+  constexpr int64_t kBlock = 256;
+  for (int64_t block = 0; block < n; block += kBlock) {
+    const int64_t end = std::min(n, block + kBlock);
+    const float threshold = best.threshold();
+    int better = !best.full();
+#pragma omp simd reduction(| : better)
+    for (int64_t i = block; i < end; ++i) better |= to_f32(x[i]) > threshold;
+    if (!better) continue;
+    for (int64_t i = block; i < end; ++i) best.offer(to_f32(x[i]), i);
+  }
+}
+
+}  // namespace qb
