@@ -209,7 +209,7 @@ def test_temperature_sampling_follows_the_softmax(kernels):
     assert abs(seen[0] / 4000 - 0.36 / 0.46) < 0.03
 
 
-def test_the_random_kernel_draws_the_tokens_of_the_torch_path():
+def test_the_sample_kernel_draws_the_tokens_of_the_torch_path():
     """Same uniform draws (seeded rows), same tokens: over the real vocabulary's size, bf16 logits (many ties) and
     float32, each cut alone and together; and the same non-finite flags. Where a row's mass is spread over ~10^5
     tokens of ~1e-5 each (the flat rows), the two paths' exp and sums, each within ~1e-7, may move a draw to the
