@@ -54,7 +54,10 @@ def sampler_alone(rows: list[int]) -> None:
         logits = (torch.randn(count, 151_936) * 3).to(torch.bfloat16)
         histories = [[rng.randrange(151_936) for _ in range(256 + 32)] for _ in range(count)]
         for name, kwargs in SETTINGS.items():
-            params = [SamplingRow(SamplingParams(**kwargs), h[256:], h[:256], None, ()) for h in histories]
+            params = [
+                SamplingRow(SamplingParams(**kwargs), h[256:], torch.tensor(sorted(set(h[:256]))), None, ())
+                for h in histories
+            ]
             before = median_ms(lambda x=logits, params=params: sample(x, params, TORCH_PATH))
             after = median_ms(lambda x=logits, params=params: sample(x, params, KERNELS))
             print(f"| {count} | {name} | {before:.2f} | {after:.2f} | {before / after:.1f}x |", flush=True)

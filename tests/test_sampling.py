@@ -27,7 +27,9 @@ def row(
     generator: torch.Generator | None = None,
     suppressed: tuple[int, ...] = (),
 ) -> SamplingRow:
-    return SamplingRow(params, output or [], prompt or [], generator, suppressed)
+    return SamplingRow(
+        params, output or [], torch.tensor(sorted(set(prompt or [])), dtype=torch.long), generator, suppressed
+    )
 
 
 def gen(seed: int) -> torch.Generator:
@@ -338,7 +340,7 @@ def test_the_kernels_pick_the_torch_path_tokens_for_penalised_and_suppressed_row
     """Penalties and suppressed ids reach the sample kernel as edits of a few logits: over the real vocabulary's size,
     in bf16 and float32, greedy and random rows pick the PyTorch path's tokens. Each row's history holds its best
     tokens, so the edits move its pick: down past the best (the kernel must find the new maximum), or, with a negative
-    penalty, up."""
+    penalty, up; its prompt shares ids with its output and its suppressed ids, whose logits take every penalty once."""
     settings = [
         SamplingParams(temperature=0, presence_penalty=1.5),
         SamplingParams(temperature=0, repetition_penalty=1.3),
@@ -356,7 +358,8 @@ def test_the_kernels_pick_the_torch_path_tokens_for_penalised_and_suppressed_row
             params = settings[i % len(settings)]
             spread = [(i * 7919 + j * 104_729) % 151_936 for j in range(300)]
             output = [top[1]] * 3 if params.frequency_penalty < 0 else [top[0], top[0], top[2]]
-            picked.append(row(params, output + spread[:40], [top[1], *spread[40:]], gen(300 + i), (top[3],)))
+            prompt = [top[1], top[0], top[3], *spread[30:]]  # shares ids with the output and the suppressed ids
+            picked.append(row(params, output + spread[:40], prompt, gen(300 + i), (top[3],)))
         return picked
 
     for dtype in (torch.bfloat16, torch.float32):

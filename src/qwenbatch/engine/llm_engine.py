@@ -34,6 +34,8 @@ from qwenbatch.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+_NO_IDS = torch.empty(0, dtype=torch.long)  # a SamplingRow's prompt ids where no penalty reads them
+
 
 WARM_UP_FIRST_TOKEN = 1000
 
@@ -325,13 +327,19 @@ class LLMEngine:
         suppressed: tuple[int, ...] = ()
         if seq.num_output_tokens < p.min_tokens:
             suppressed = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
-        # The token lists are copies, made only for the penalties that read them: a copy every step would cost
+        request = self._requests[seq.request_id]
+        prompt_ids = _NO_IDS
+        if p.repetition_penalty != 1.0:
+            if request.distinct_prompt_ids is None:
+                request.distinct_prompt_ids = torch.tensor(sorted(set(request.prompt_token_ids)), dtype=torch.long)
+            prompt_ids = request.distinct_prompt_ids
+        # The output list is a copy, made only for the penalties that read it: a copy every step would cost
         # O(length) a sequence a step.
         return SamplingRow(
             p,
             seq.output_token_ids if p.has_penalties else [],
-            seq.prompt_token_ids if p.repetition_penalty != 1.0 else [],
-            self._requests[seq.request_id].samples[seq.index].generator,
+            prompt_ids,
+            request.samples[seq.index].generator,
             suppressed,
         )
 

@@ -171,7 +171,10 @@ class ModelRunner:
         hidden = self._forward(layout, caches)
         rows = torch.arange(num_sample_rows, device=self.device) % num_tokens
         worst = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)
-        sample(self.model.compute_logits(hidden[rows]), [SamplingRow(worst, [], [], None, ())] * num_sample_rows)
+        sample(
+            self.model.compute_logits(hidden[rows]),
+            [SamplingRow(worst, [], torch.empty(0, dtype=torch.long), None, ())] * num_sample_rows,
+        )
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - held
         del hidden, caches

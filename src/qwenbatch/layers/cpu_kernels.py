@@ -173,9 +173,20 @@ def sample_tokens(logits: torch.Tensor, settings: RowSettings, edits: LogitEdits
     temperature 0: its argmax), with ``edits`` in place of their logits, as the sampler's PyTorch path picks it, in a
     few vector passes over each row rather than a sort; and whether the row itself holds an inf or a NaN: the
     sampler's ``SamplerKernels.sample`` (layers/sampler.py). Logits [R, vocab] in any float dtype."""
-    s = settings
+    s, e = settings, edits
     return kernels().sample_tokens(
-        logits, s.temperature, s.top_k, s.top_p, s.min_p, s.uniform, edits.starts, edits.ids, edits.values
+        logits,
+        s.temperature,
+        s.top_k,
+        s.top_p,
+        s.min_p,
+        s.uniform,
+        e.repetition,
+        e.repeated_starts,
+        e.repeated_ids,
+        e.starts,
+        e.ids,
+        e.values,
     )
 
 

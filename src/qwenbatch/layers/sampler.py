@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import accumulate, chain
 
 import torch
 
@@ -17,7 +17,7 @@ class SamplingRow:
 
     params: SamplingParams
     output_token_ids: list[int]  # generated so far, where penalties read them (else empty)
-    prompt_token_ids: list[int]  # where the repetition penalty reads them (else empty)
+    prompt_ids: torch.Tensor  # the prompt's distinct ids, sorted (int64, CPU), where the repetition penalty reads them
     generator: torch.Generator | None  # per-request RNG when the request has a seed
     suppressed_token_ids: tuple[int, ...]  # eos/stop ids banned until min_tokens is reached
 
@@ -30,6 +30,8 @@ class SamplerOutput:
     # Per row: True when the raw logits held NaN or inf (the request must fail).
     non_finite: list[bool]
 
+
+_NO_IDS = torch.empty(0, dtype=torch.long)
 
 # Each row's argmax and whether it holds an inf or a NaN, from logits as the model returns them, in one pass.
 GreedyKernel = Callable[[torch.Tensor], tuple[list[int], list[bool]]]
@@ -49,17 +51,32 @@ class RowSettings:
 
 @dataclass(frozen=True)
 class LogitEdits:
-    """New float32 values for a few logits of each of R rows (its penalties and suppressed ids applied to them): row
-    r's ids are ``ids[starts[r]:starts[r + 1]]``, sorted, and take ``values`` at the same places."""
+    """What penalties and suppressed ids do to a few logits of each of R rows, in two steps. First row r's logits at
+    its prompt's ids, ``repeated_ids[repeated_starts[r]:repeated_starts[r + 1]]``, are scaled by its repetition
+    penalty ``repetition[r]`` (divided where positive, multiplied where not). Then its logits at its output's and its
+    suppressed ids, ``ids[starts[r]:starts[r + 1]]``, take ``values``: float32, computed from the row's own logits
+    with every penalty applied. A prompt is long and its ids are the same every step: they stay ids; the output's
+    and suppressed ids are few."""
 
+    repetition: torch.Tensor  # float32 [R]
+    repeated_starts: torch.Tensor  # int64 [R + 1]
+    repeated_ids: torch.Tensor  # int64
     starts: torch.Tensor  # int64 [R + 1]
     ids: torch.Tensor  # int64 [E]
     values: torch.Tensor  # float32 [E]
 
-    def rows(self) -> torch.Tensor:
-        """The row of each edit."""
-        counts = self.starts[1:] - self.starts[:-1]
-        return torch.repeat_interleave(torch.arange(len(counts), device=self.ids.device), counts)
+    @staticmethod
+    def rows_of(starts: torch.Tensor) -> torch.Tensor:
+        """The row of each id of a list cut into rows by ``starts``."""
+        counts = starts[1:] - starts[:-1]
+        return torch.repeat_interleave(torch.arange(len(counts), device=starts.device), counts)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Edit float32 ``logits`` [R, vocab] in place, as the kernels do in theirs."""
+        rows = self.rows_of(self.repeated_starts)
+        seen, factor = logits[rows, self.repeated_ids], self.repetition[rows]
+        logits[rows, self.repeated_ids] = torch.where(seen > 0, seen / factor, seen * factor)
+        logits[self.rows_of(self.starts), self.ids] = self.values
 
 
 # Each row's token as _sample_random draws it (at temperature 0: its argmax) from logits [R, vocab] in the model's
@@ -138,8 +155,7 @@ def _tokens_on_torch(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[lis
     if any(_edited(r) for r in rows):
         # Edited in place: on a copy of the caller's logits only where float() returned them as they were.
         logits = logits.clone() if logits.data_ptr() == raw.data_ptr() else logits
-        edits = _logit_edits(logits, rows)
-        logits[edits.rows(), edits.ids] = edits.values
+        _logit_edits(logits, rows).apply(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if len(random_rows) < len(rows):
         tokens = logits.argmax(dim=-1)
@@ -182,14 +198,18 @@ def _top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _logit_edits(logits: torch.Tensor, rows: list[SamplingRow]) -> LogitEdits:
-    """Each row's logits that its suppressed ids, repetition penalty (on the ids its prompt or output holds) and
-    presence and frequency penalties (on the ids its output holds) change, in float32 and in that order. Only those
-    ids are touched (a pass over the vocabulary a row cost ~1 ms at 151,936 logits), and they are found as tensor
-    keys row * vocab + id (in Python sets and lists, 10.5 ms a step at 64 rows of 288 ids)."""
+    """Each row's suppressed ids, repetition penalty (on the ids its prompt or output holds), and presence and
+    frequency penalties (on the ids its output holds), in float32 and in that order, as LogitEdits. Only those ids
+    are touched (a pass over the vocabulary a row cost ~1 ms at 151,936 logits), the output's and suppressed ones
+    found as tensor keys row * vocab + id (in Python sets and lists: 10.5 ms a step at 64 rows of 288 ids)."""
     device, vocab = logits.device, logits.shape[-1]
     if not any(_edited(r) for r in rows):
-        none = torch.empty(0, dtype=torch.long, device=device)
-        return LogitEdits(torch.zeros(len(rows) + 1, dtype=torch.long, device=device), none, none.float())
+        none, starts = _NO_IDS.to(device), torch.zeros(len(rows) + 1, dtype=torch.long, device=device)
+        return LogitEdits(torch.ones(len(rows), device=device), starts, none, starts, none, none.float())
+    params = [r.params for r in rows]
+    repeated = [r.prompt_ids if r.params.repetition_penalty != 1.0 else _NO_IDS for r in rows]
+    repeated_starts = torch.tensor([0, *accumulate(len(ids) for ids in repeated)], dtype=torch.long)
+    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
 
     def keys(lists: list[tuple[int, Sequence[int]]]) -> torch.Tensor:
         """row * vocab + id for every id of every (row, ids)."""
@@ -197,36 +217,32 @@ def _logit_edits(logits: torch.Tensor, rows: list[SamplingRow]) -> LogitEdits:
         counts = torch.tensor([len(ids) for _, ids in lists], dtype=torch.long)
         return torch.repeat_interleave(torch.tensor([i for i, _ in lists], dtype=torch.long), counts) * vocab + ids
 
-    params = [r.params for r in rows]
     banned = keys([(i, r.suppressed_token_ids) for i, r in enumerate(rows)])
-    repeated = keys(
-        [
-            (i, ids)
-            for i, r in enumerate(rows)
-            if r.params.repetition_penalty != 1.0
-            for ids in (r.prompt_token_ids, r.output_token_ids)
-        ]
+    output, counts = keys([(i, r.output_token_ids) for i, r in enumerate(rows) if r.params.has_penalties]).unique(
+        return_counts=True
     )
-    counted, counts = keys(
-        [(i, r.output_token_ids) for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty]
-    ).unique(return_counts=True)
-    touched = torch.cat([banned, repeated, counted]).unique()  # sorted: by row, then by id
+    touched = torch.cat([banned, output]).unique()  # sorted: by row, then by id
     values = logits[(touched // vocab).to(device), (touched % vocab).to(device)].float()
     values = values.index_fill(0, torch.searchsorted(touched, banned).to(device), float("-inf"))
     factor = torch.ones(len(touched), dtype=torch.float32)
-    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
-    factor[torch.searchsorted(touched, repeated)] = repetition[repeated // vocab]
+    factor[torch.searchsorted(touched, output)] = repetition[output // vocab]
     factor = factor.to(device)
     values = torch.where(values > 0, values / factor, values * factor)
     # frequency * count + presence, in float64 as Python computes it, on the ids the output holds.
     amount = torch.zeros(len(touched), dtype=torch.float64)
     frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float64)
     presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float64)
-    row = counted // vocab
-    amount[torch.searchsorted(touched, counted)] = frequency[row] * counts + presence[row]
+    row = output // vocab
+    amount[torch.searchsorted(touched, output)] = frequency[row] * counts + presence[row]
     values -= amount.float().to(device)
-    starts = torch.searchsorted(touched, torch.arange(len(rows) + 1) * vocab)
-    return LogitEdits(starts.to(device), (touched % vocab).to(device), values)
+    return LogitEdits(
+        repetition.to(device),
+        repeated_starts.to(device),
+        torch.cat(repeated).to(device),
+        torch.searchsorted(touched, torch.arange(len(rows) + 1) * vocab).to(device),
+        (touched % vocab).to(device),
+        values,
+    )
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -30,11 +30,11 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
 std::tuple<torch::Tensor, torch::Tensor> greedy_tokens(const torch::Tensor& logits);
 // Each row's token drawn at random after temperature, top-k, top-p and min-p, or its argmax, with a few of its logits
 // edited (sampling.cpp).
-std::tuple<torch::Tensor, torch::Tensor> sample_tokens(const torch::Tensor& logits, const torch::Tensor& temperature,
-                                                       const torch::Tensor& top_k, const torch::Tensor& top_p,
-                                                       const torch::Tensor& min_p, const torch::Tensor& uniform,
-                                                       const torch::Tensor& edit_starts, const torch::Tensor& edit_ids,
-                                                       const torch::Tensor& edit_values);
+std::tuple<torch::Tensor, torch::Tensor> sample_tokens(
+    const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
+    const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& uniform,
+    const torch::Tensor& repetition, const torch::Tensor& repeated_starts, const torch::Tensor& repeated_ids,
+    const torch::Tensor& edit_starts, const torch::Tensor& edit_ids, const torch::Tensor& edit_values);
 // Each row's log-sum-exp and its k best logits as log-probabilities, with their ids (logprobs.cpp).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> top_logprobs(const torch::Tensor& logits, int64_t k);
 

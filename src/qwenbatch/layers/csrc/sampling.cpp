@@ -1,6 +1,7 @@
 // Sampling one token per row: temperature, top-k, top-p and min-p, then a draw by the inverse of the distribution's
-// CDF, from one uniform number a row; or, at temperature 0, the argmax. Penalties and suppressed tokens come as edits:
-// new values for a few logits of a row, which stand in for the row's own. The sampler's PyTorch path
+// CDF, from one uniform number a row; or, at temperature 0, the argmax. Penalties and suppressed tokens come as edits
+// (LogitEdits in layers/sampler.py): the logits at the prompt's ids scaled by the repetition penalty, then new values
+// for the logits at the output's and suppressed ids. The sampler's PyTorch path
 // (layers/sampler.py) sorts each row of 151,936 logits for top-k / top-p; before this kernel (and with an
 // exponential race for the draw: 151,936 random numbers a row) it took 276 ms (temperature only) to 654 ms
 // (top-p) a step at 64 rows on a 2-core CPU, several times the model's own step. Here a row takes a few vector
@@ -45,7 +46,11 @@ struct RowParams {
   float temperature, top_p, min_p;  // temperature 0: the argmax
   int64_t top_k;                    // 0: off
   double u;                         // in [0, 1)
-  // The row's edited logits: ids[j] takes values[j] in place of its own (float32, already penalised).
+  // The row's edits: first the logits at repeated_ids scaled by `repetition`, then edit_ids[j]'s replaced by
+  // edit_values[j] (float32, already penalised).
+  float repetition;
+  const int64_t* repeated_ids;
+  int64_t repeated;
   const int64_t* edit_ids;
   const float* edit_values;
   int64_t edits;
@@ -232,7 +237,11 @@ int64_t sample_row(const T* logits, int64_t vocab, const RowParams& p, Scratch& 
     top = qb::max_of(top, y[i]);
   }
   non_finite = !(poison == 0.f);
-  if (p.edits > 0) {  // -inf here is a suppressed token: the row still samples
+  if (p.repeated > 0 || p.edits > 0) {  // -inf here is a suppressed token: the row still samples
+    for (int64_t j = 0; j < p.repeated; ++j) {
+      const float x = qb::to_f32(logits[p.repeated_ids[j]]);
+      y[p.repeated_ids[j]] = (x > 0.f ? x / p.repetition : x * p.repetition) / temperature;
+    }
     for (int64_t j = 0; j < p.edits; ++j) y[p.edit_ids[j]] = p.edit_values[j] / temperature;
     top = kNegInf;
 #pragma omp simd reduction(max : top)
@@ -303,18 +312,28 @@ int64_t sample_row(const T* logits, int64_t vocab, const RowParams& p, Scratch& 
   return last_kept;  // u * total past the sum by rounding: the last kept token
 }
 
-// One row's settings, and its edits: row r's are edit_ids / edit_values [edit_starts[r], edit_starts[r + 1]).
+// Every row's settings and edits: row r's repeated ids are repeated_ids [repeated_starts[r], repeated_starts[r + 1]),
+// its edits edit_ids / edit_values [edit_starts[r], edit_starts[r + 1]).
 struct Settings {
-  const float *temperature, *top_p, *min_p;
+  const float *temperature, *top_p, *min_p, *repetition;
   const int64_t* top_k;
   const double* uniform;
-  const int64_t *edit_starts, *edit_ids;
+  const int64_t *repeated_starts, *repeated_ids, *edit_starts, *edit_ids;
   const float* edit_values;
 
   RowParams row(int64_t r) const {
-    const int64_t begin = edit_starts[r];
-    return {temperature[r],      top_p[r],          min_p[r], top_k[r], uniform[r], edit_ids + begin,
-            edit_values + begin, edit_starts[r + 1] - begin};
+    const int64_t repeated = repeated_starts[r], edit = edit_starts[r];
+    return {temperature[r],
+            top_p[r],
+            min_p[r],
+            top_k[r],
+            uniform[r],
+            repetition[r],
+            repeated_ids + repeated,
+            repeated_starts[r + 1] - repeated,
+            edit_ids + edit,
+            edit_values + edit,
+            edit_starts[r + 1] - edit};
   }
 };
 
@@ -330,15 +349,32 @@ void sample_rows(const T* logits, int64_t rows, int64_t vocab, const Settings& s
 
 }  // namespace
 
-// logits: [R, vocab] float32, bfloat16 or float16; temperature (>= 0; 0: the argmax), top_p, min_p: float32 [R];
-// top_k: int64 [R] (0: off); uniform: float64 [R] in [0, 1); edit_starts: int64 [R + 1], row r's edits at
-// [edit_starts[r], edit_starts[r + 1]) of edit_ids (int64, each < vocab) and edit_values (float32). Returns each row's
-// token (int64 [R]) and whether the row held an inf or a NaN (bool [R]).
-std::tuple<torch::Tensor, torch::Tensor> sample_tokens(const torch::Tensor& logits, const torch::Tensor& temperature,
-                                                       const torch::Tensor& top_k, const torch::Tensor& top_p,
-                                                       const torch::Tensor& min_p, const torch::Tensor& uniform,
-                                                       const torch::Tensor& edit_starts, const torch::Tensor& edit_ids,
-                                                       const torch::Tensor& edit_values) {
+namespace {
+
+// A list of ids cut into rows: `starts` int64 [rows + 1] from 0 to the ids' count, not decreasing; each id < vocab.
+void check_rows_of_ids(const torch::Tensor& starts, const torch::Tensor& ids, int64_t rows, int64_t vocab,
+                       const char* name) {
+  TORCH_CHECK(starts.dim() == 1 && starts.size(0) == rows + 1 && starts.scalar_type() == torch::kInt64 &&
+                  starts.is_contiguous() && ids.dim() == 1 && ids.scalar_type() == torch::kInt64 && ids.is_contiguous(),
+              "sample_tokens: ", name, " must be contiguous int64 starts [rows + 1] and ids");
+  const int64_t* s = starts.data_ptr<int64_t>();
+  TORCH_CHECK(s[0] == 0 && s[rows] == ids.size(0), "sample_tokens: ", name, " must start at 0, end at the count");
+  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(s[r] <= s[r + 1], "sample_tokens: ", name, " starts decrease");
+  TORCH_CHECK(ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < vocab),
+              "sample_tokens: an id of ", name, " lies outside the vocabulary");
+}
+
+}  // namespace
+
+// logits: [R, vocab] float32, bfloat16 or float16; temperature (>= 0; 0: the argmax), top_p, min_p, repetition:
+// float32 [R]; top_k: int64 [R] (0: off); uniform: float64 [R] in [0, 1); repeated_starts / repeated_ids and
+// edit_starts / edit_ids (int64) with edit_values (float32): the edits, cut into rows as LogitEdits says. Returns
+// each row's token (int64 [R]) and whether the row held an inf or a NaN (bool [R]).
+std::tuple<torch::Tensor, torch::Tensor> sample_tokens(
+    const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
+    const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& uniform,
+    const torch::Tensor& repetition, const torch::Tensor& repeated_starts, const torch::Tensor& repeated_ids,
+    const torch::Tensor& edit_starts, const torch::Tensor& edit_ids, const torch::Tensor& edit_values) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "sample_tokens: logits must be [rows, vocab]");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   const auto check = [&](const torch::Tensor& t, torch::ScalarType type, const char* name) {
@@ -348,21 +384,24 @@ std::tuple<torch::Tensor, torch::Tensor> sample_tokens(const torch::Tensor& logi
   };
   const torch::Tensor x = logits.contiguous(), t = check(temperature, torch::kFloat32, "temperature"),
                       k = check(top_k, torch::kInt64, "top_k"), tp = check(top_p, torch::kFloat32, "top_p"),
-                      mp = check(min_p, torch::kFloat32, "min_p"), u = check(uniform, torch::kFloat64, "uniform");
-  TORCH_CHECK(edit_starts.dim() == 1 && edit_starts.size(0) == rows + 1 && edit_starts.scalar_type() == torch::kInt64,
-              "sample_tokens: edit_starts must be int64 [rows + 1]");
-  TORCH_CHECK(edit_ids.dim() == 1 && edit_ids.scalar_type() == torch::kInt64 && edit_values.dim() == 1 &&
-                  edit_values.scalar_type() == torch::kFloat32 && edit_values.size(0) == edit_ids.size(0),
-              "sample_tokens: edit_ids (int64) and edit_values (float32) must be one list of the same length");
-  const torch::Tensor starts = edit_starts.contiguous(), ids = edit_ids.contiguous(), values = edit_values.contiguous();
-  const int64_t* s = starts.data_ptr<int64_t>();
-  TORCH_CHECK(s[0] == 0 && s[rows] == ids.size(0), "sample_tokens: edit_starts must run from 0 to the edits' count");
-  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(s[r] <= s[r + 1], "sample_tokens: edit_starts must not decrease");
-  TORCH_CHECK(ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < vocab),
-              "sample_tokens: an edit's id lies outside the vocabulary");
-  const Settings settings{t.data_ptr<float>(),   tp.data_ptr<float>(), mp.data_ptr<float>(), k.data_ptr<int64_t>(),
-                          u.data_ptr<double>(),  s,                    ids.data_ptr<int64_t>(),
-                          values.data_ptr<float>()};
+                      mp = check(min_p, torch::kFloat32, "min_p"), u = check(uniform, torch::kFloat64, "uniform"),
+                      rp = check(repetition, torch::kFloat32, "repetition");
+  check_rows_of_ids(repeated_starts, repeated_ids, rows, vocab, "repeated_ids");
+  check_rows_of_ids(edit_starts, edit_ids, rows, vocab, "edit_ids");
+  TORCH_CHECK(edit_values.dim() == 1 && edit_values.scalar_type() == torch::kFloat32 && edit_values.is_contiguous() &&
+                  edit_values.size(0) == edit_ids.size(0),
+              "sample_tokens: edit_values must be contiguous float32, one per edit id");
+  const Settings settings{t.data_ptr<float>(),
+                          tp.data_ptr<float>(),
+                          mp.data_ptr<float>(),
+                          rp.data_ptr<float>(),
+                          k.data_ptr<int64_t>(),
+                          u.data_ptr<double>(),
+                          repeated_starts.data_ptr<int64_t>(),
+                          repeated_ids.data_ptr<int64_t>(),
+                          edit_starts.data_ptr<int64_t>(),
+                          edit_ids.data_ptr<int64_t>(),
+                          edit_values.data_ptr<float>()};
   torch::Tensor tokens = torch::empty({rows}, torch::kInt64), non_finite = torch::empty({rows}, torch::kBool);
   QB_DISPATCH(x.scalar_type(), "sample_tokens",
               sample_rows(x.data_ptr<scalar_t>(), rows, vocab, settings, tokens.data_ptr<int64_t>(),
