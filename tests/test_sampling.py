@@ -248,7 +248,7 @@ def test_random_rows_beside_greedy_and_penalised_rows_take_the_torch_path_tokens
     params = [
         SamplingParams(temperature=0),
         SamplingParams(temperature=0.9, top_p=0.8),
-        SamplingParams(temperature=0.9, top_k=5, presence_penalty=1.0),  # penalised: the float32 path
+        SamplingParams(temperature=0.9, top_k=5, presence_penalty=1.0),  # penalised: edits on the kernel path
         SamplingParams(temperature=1.2),
         SamplingParams(temperature=0),
     ]
@@ -371,6 +371,18 @@ def test_the_kernels_pick_the_torch_path_tokens_for_penalised_and_suppressed_row
         assert got.non_finite == want.non_finite == [False] * len(logits)
         plain = sample(logits, [row(settings[i % len(settings)], generator=gen(300 + i)) for i in range(len(logits))])
         assert sum(a != b for a, b in zip(plain.token_ids, want.token_ids, strict=True)) >= len(logits) // 2
+
+
+@paths
+def test_a_top_k_past_the_tokens_left_samples_among_those_left(kernels):
+    """More ids suppressed than the vocabulary less top_k, with a top-k the kernel finds by its bucket search (more
+    than 64): top-k keeps every token that is left (the search ends at the lowest bucket there)."""
+    logits = (torch.randn(1, 300, generator=gen(23)) * 3).expand(400, -1)
+    suppressed = tuple(range(0, 300, 3)) + tuple(range(1, 300, 3))
+    g = gen(5)
+    rows = [row(SamplingParams(temperature=1.0, top_k=150), suppressed=suppressed, generator=g) for _ in range(400)]
+    picked = set(sample(logits, rows, kernels).token_ids)
+    assert picked <= set(range(2, 300, 3)) and len(picked) > 10
 
 
 COUNTS = (0, 1, 5, 20, 20, 3)
@@ -582,6 +594,21 @@ def test_max_tokens_gives_length_with_exactly_that_many_tokens(llm, max_tokens):
     assert c.finish_reason == "length"
     assert c.stop_reason is None
     assert len(c.token_ids) == max_tokens
+
+
+def test_a_repetition_penalty_gives_the_same_tokens_on_the_kernels_as_on_the_pytorch_path(tiny_checkpoint, llm):
+    """Through the engine (each request's distinct prompt ids kept for the penalty), with CPU kernels and without."""
+    plain = LLM(model=str(tiny_checkpoint), dtype="float32", kv_cache_memory=16 * 2**20, cpu_kernels="off")
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.8),
+        SamplingParams(temperature=0.8, max_tokens=12, repetition_penalty=1.3, presence_penalty=0.5, seed=3),
+    ]
+    for p in params:
+        prompts = [PROMPT, *OTHERS]
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
+        assert ours == [o.outputs[0].token_ids for o in plain.generate(prompts, p, use_tqdm=False)]
+    unpenalised = SamplingParams(temperature=0, max_tokens=12)
+    assert completion(llm, PROMPT, unpenalised).token_ids != completion(llm, PROMPT, params[0]).token_ids
 
 
 def test_stop_token_id_ends_the_output_with_stop_reason(llm):

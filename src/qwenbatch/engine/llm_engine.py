@@ -24,7 +24,7 @@ from qwenbatch.engine.scheduler import Scheduler
 from qwenbatch.engine.sequence import Sequence
 from qwenbatch.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from qwenbatch.layers.host_allocator import cache_step_buffers, return_cached_buffers
-from qwenbatch.layers.sampler import SamplingRow
+from qwenbatch.layers.sampler import NO_PROMPT_IDS, SamplingRow
 from qwenbatch.loader import load_model, resolve_model_dir
 from qwenbatch.loader.kernels import prepare_kernels
 from qwenbatch.outputs import RequestOutput
@@ -33,8 +33,6 @@ from qwenbatch.sampling_params import SamplingParams
 from qwenbatch.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-_NO_IDS = torch.empty(0, dtype=torch.long)  # a SamplingRow's prompt ids where no penalty reads them
 
 
 WARM_UP_FIRST_TOKEN = 1000
@@ -328,7 +326,7 @@ class LLMEngine:
         if seq.num_output_tokens < p.min_tokens:
             suppressed = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
         request = self._requests[seq.request_id]
-        prompt_ids = _NO_IDS
+        prompt_ids = NO_PROMPT_IDS
         if p.repetition_penalty != 1.0:
             if request.distinct_prompt_ids is None:
                 request.distinct_prompt_ids = torch.tensor(sorted(set(request.prompt_token_ids)), dtype=torch.long)

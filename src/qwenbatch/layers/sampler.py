@@ -31,7 +31,7 @@ class SamplerOutput:
     non_finite: list[bool]
 
 
-_NO_IDS = torch.empty(0, dtype=torch.long)
+NO_PROMPT_IDS = torch.empty(0, dtype=torch.long)  # a SamplingRow's prompt ids where no penalty reads them
 
 # Each row's argmax and whether it holds an inf or a NaN, from logits as the model returns them, in one pass.
 GreedyKernel = Callable[[torch.Tensor], tuple[list[int], list[bool]]]
@@ -90,9 +90,9 @@ LogprobsKernel = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor,
 @dataclass(frozen=True)
 class SamplerKernels:
     """Kernels that take over the PyTorch path below on their device, with the same tokens (the CPU's:
-    layers/cpu_kernels.py): ``greedy`` for the rows that are plain greedy, ``sample`` for every other row (with its
-    penalties and suppressed ids as edits), ``logprobs`` for the rows that ask for log-probabilities. Without
-    ``sample``, every row but a step of plain greedy rows takes the PyTorch path."""
+    layers/cpu_kernels.py): ``greedy`` for greedy rows without penalties or suppressed ids, ``sample`` for every
+    other row (with its penalties and suppressed ids as edits), ``logprobs`` for the rows that ask for
+    log-probabilities. Without ``sample``, every row but a step of plain greedy rows takes the PyTorch path."""
 
     greedy: GreedyKernel | None = None
     sample: SampleKernel | None = None
@@ -204,10 +204,12 @@ def _logit_edits(logits: torch.Tensor, rows: list[SamplingRow]) -> LogitEdits:
     found as tensor keys row * vocab + id (in Python sets and lists: 10.5 ms a step at 64 rows of 288 ids)."""
     device, vocab = logits.device, logits.shape[-1]
     if not any(_edited(r) for r in rows):
-        none, starts = _NO_IDS.to(device), torch.zeros(len(rows) + 1, dtype=torch.long, device=device)
+        none, starts = NO_PROMPT_IDS.to(device), torch.zeros(len(rows) + 1, dtype=torch.long, device=device)
         return LogitEdits(torch.ones(len(rows), device=device), starts, none, starts, none, none.float())
+    if any(not 0 <= t < vocab for r in rows for t in r.suppressed_token_ids):
+        raise ValueError(f"a suppressed token id lies outside the vocabulary of {vocab}")
     params = [r.params for r in rows]
-    repeated = [r.prompt_ids if r.params.repetition_penalty != 1.0 else _NO_IDS for r in rows]
+    repeated = [r.prompt_ids if r.params.repetition_penalty != 1.0 else NO_PROMPT_IDS for r in rows]
     repeated_starts = torch.tensor([0, *accumulate(len(ids) for ids in repeated)], dtype=torch.long)
     repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
 
@@ -283,7 +285,8 @@ def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
     """One float64 draw in [0, 1) a row. A seeded request draws from its own (CPU) generator, so its tokens are the
     same on every device and whatever shares its step; the other rows are drawn in one call on the device."""
     uniform = torch.rand(len(rows), dtype=torch.float64, device=device)
-    seeded = [i for i, r in enumerate(rows) if r.generator is not None]
+    # A greedy row (the kernels take those with edits here too) leaves its generator as it is.
+    seeded = [i for i, r in enumerate(rows) if r.generator is not None and not r.params.greedy]
     if seeded:
         drawn = [torch.rand((), dtype=torch.float64, generator=rows[i].generator) for i in seeded]
         uniform[seeded] = torch.stack(drawn).to(device)

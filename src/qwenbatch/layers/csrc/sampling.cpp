@@ -39,7 +39,7 @@ constexpr int kBuckets = 1 << (32 - kBucketShift);
 constexpr int kTopBucket = 0x3F800000 >> kBucketShift;  // 1.0f's: the best token's weight
 // Weights are summed in blocks of this many (float32, vectorized), the blocks in double.
 constexpr int64_t kBlock = 256;
-// A top-k up to this many is found by qb::select_top_k (its cost grows with k), a larger one from a histogram.
+// A top-k up to this many is found by qb::select_top_k (its cost grows with k), a larger one by bisection.
 constexpr int64_t kSmallTopK = 64;
 
 struct RowParams {
@@ -150,13 +150,13 @@ void keep_only(float* w, int64_t vocab, float above, const std::vector<Ranked>& 
 // buckets' bounds as vectors; only a block holding such a token is looked at one token at a time.
 void rank_buckets(const float* y, const float* w, int64_t vocab, int from, int to, std::vector<Ranked>& ranked) {
   ranked.clear();
-  const uint32_t low = static_cast<uint32_t>(from) << kBucketShift;
-  const uint32_t high = static_cast<uint32_t>(to + 1) << kBucketShift;
+  const uint32_t first = static_cast<uint32_t>(from) << kBucketShift;
+  const uint32_t last = static_cast<uint32_t>((static_cast<uint64_t>(to + 1) << kBucketShift) - 1);
   for (int64_t block = 0; block < vocab; block += kBlock) {
     const int64_t end = std::min(vocab, block + kBlock);
     int hit = 0;
 #pragma omp simd reduction(| : hit)
-    for (int64_t i = block; i < end; ++i) hit |= bits_of(w[i]) - low < high - low;  // in [low, high), mod 2^32
+    for (int64_t i = block; i < end; ++i) hit |= (bits_of(w[i]) >= first) & (bits_of(w[i]) <= last);
     if (!hit) continue;
     for (int64_t i = block; i < end; ++i) {
       const int b = static_cast<int>(bits_of(w[i]) >> kBucketShift);
