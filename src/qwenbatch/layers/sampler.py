@@ -130,8 +130,9 @@ def _tokens_on_kernels(
 ) -> tuple[list[int], list[bool]]:
     """Each row's token and non-finite flag from the logits in their own dtype: greedy rows without edits on
     ``kernels.greedy`` (where given), the others on ``kernels.sample``."""
-    greedy = [i for i, r in enumerate(rows) if kernels.greedy is not None and r.params.greedy and not _edited(r)]
-    others = [i for i, r in enumerate(rows) if not (kernels.greedy is not None and r.params.greedy and not _edited(r))]
+    on_greedy = [kernels.greedy is not None and r.params.greedy and not _edited(r) for r in rows]
+    greedy = [i for i, yes in enumerate(on_greedy) if yes]
+    others = [i for i, yes in enumerate(on_greedy) if not yes]
     token_ids, non_finite = [0] * len(rows), [False] * len(rows)
     if greedy:
         ids, flags = kernels.greedy(logits[greedy] if others else logits)
