@@ -6,6 +6,7 @@
 #include "bf16_vectors.h"
 #include "float_math.h"
 #include "ops.h"
+#include "row_search.h"
 
 #include <ATen/Parallel.h>
 
@@ -186,12 +187,7 @@ void rotary_impl(const T* x, int64_t ld, int64_t head_stride, const T* cos, cons
 
 // Each row's first maximal logit and whether the row holds an inf or a NaN, in one read of the logits as they
 // are: the sampler's float32 copy and argmax cost ~25 ms a step at 64 rows (a fresh 39 MB buffer, page faults).
-// The maximum first, then the first index holding it: blocks of kSearchBlock compared as vectors, and only the block
-// that holds it one at a time. (A search one logit at a time from the row's start took 2.4 ms at 64 rows of the
-// default model's vocabulary, 9.6 at 256, against 0.6 and 2.3 for the maximum alone: a quarter of the LM head's
-// time there, AMX kind.)
-constexpr int64_t kSearchBlock = 256;
-
+// The maximum first, then the first index holding it (qb::first_index_of).
 template <typename T>
 void greedy_tokens_impl(const T* logits, int64_t rows, int64_t vocab, int64_t* tokens, bool* non_finite) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
@@ -202,22 +198,10 @@ void greedy_tokens_impl(const T* logits, int64_t rows, int64_t vocab, int64_t* t
 #pragma omp simd reduction(max : best) reduction(+ : poison)
       for (int64_t i = 0; i < vocab; ++i) {
         const float v = to_f32(row[i]);
-        best = std::max(best, v);
+        best = qb::max_of(best, v);
         poison += v * 0.f;
       }
-      int64_t at = 0;  // a row of NaNs fails its request; any id will do
-      for (int64_t block = 0; block < vocab; block += kSearchBlock) {
-        const int64_t block_end = std::min(vocab, block + kSearchBlock);
-        int found = 0;
-#pragma omp simd reduction(| : found)
-        for (int64_t i = block; i < block_end; ++i) found |= to_f32(row[i]) == best;
-        if (found) {
-          at = block;
-          while (to_f32(row[at]) != best) ++at;
-          break;
-        }
-      }
-      tokens[r] = at;
+      tokens[r] = qb::first_index_of(row, vocab, best);  // a row of NaNs fails its request: any id will do
       non_finite[r] = std::isnan(poison);
     }
   });

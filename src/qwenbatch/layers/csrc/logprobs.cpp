@@ -5,7 +5,7 @@
 // search), in its own dtype, and nothing row-sized is written.
 #include "float_math.h"
 #include "ops.h"
-#include "top_k.h"
+#include "row_search.h"
 
 #include <ATen/Parallel.h>
 

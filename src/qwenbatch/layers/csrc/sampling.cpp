@@ -18,7 +18,7 @@
 // sorted. A small top-k (Qwen's generation config asks for 20) is selected directly, and only its weights taken.
 #include "float_math.h"
 #include "ops.h"
-#include "top_k.h"
+#include "row_search.h"
 
 #include <ATen/Parallel.h>
 
@@ -175,21 +175,6 @@ float bucket_end(int bucket) {
   return f;
 }
 
-// The first index of `top` in y.
-int64_t first_of(const float* y, int64_t vocab, float top) {
-  for (int64_t block = 0; block < vocab; block += kBlock) {
-    const int64_t end = std::min(vocab, block + kBlock);
-    int found = 0;
-#pragma omp simd reduction(| : found)
-    for (int64_t i = block; i < end; ++i) found |= y[i] == top;
-    if (found) {
-      while (y[block] != top) ++block;
-      return block;
-    }
-  }
-  return 0;
-}
-
 // A row whose top-k is small: its k best found by comparing blocks of y with the k-th best as vectors, and only
 // their weights taken; cut by top-p and min-p and drawn as below, in vocabulary order.
 int64_t draw_from_top_k(const float* y, int64_t vocab, float top, const RowParams& p, Scratch& s) {
@@ -248,7 +233,7 @@ int64_t sample_row(const T* logits, int64_t vocab, const RowParams& p, Scratch& 
     for (int64_t i = 0; i < vocab; ++i) top = qb::max_of(top, y[i]);
   }
   if (!std::isfinite(top)) return 0;  // an inf, or every logit -inf
-  if (p.temperature <= 0.f) return first_of(y, vocab, top);
+  if (p.temperature <= 0.f) return qb::first_index_of(y, vocab, top);
   if (p.top_k > 0 && p.top_k <= kSmallTopK && p.top_k < vocab) return draw_from_top_k(y, vocab, top, p, s);
 #pragma omp simd
   for (int64_t i = 0; i < vocab; ++i) w[i] = y[i] == kNegInf ? 0.f : qb::vec_exp(y[i] - top);

@@ -1,6 +1,7 @@
-// The k largest values of a row, best first, ties by the lower index: for the logprobs kernel's top_logprobs and the
-// sampling kernel's top-k, where k is small next to the vocabulary (20 in Qwen's generation config, at most 20 for
-// an OpenAI top_logprobs).
+// Searches over a row of logits, in blocks compared as vectors: the first index holding a value (the greedy and
+// sampling kernels' argmax), and the k largest values, best first, ties by the lower index (the logprobs kernel's
+// top_logprobs and the sampling kernel's top-k, where k is small next to the vocabulary: 20 in Qwen's generation
+// config, at most 20 for an OpenAI top_logprobs).
 #pragma once
 #include "float_math.h"
 
@@ -11,6 +12,27 @@
 #include <vector>
 
 namespace qb {
+
+constexpr int64_t kSearchBlock = 256;
+
+// The first index of x[0, n) holding `value` (read as float32), or 0 where none does. Blocks are compared with it as
+// vectors and only the block that holds it is looked at one value at a time. (One value at a time from the row's
+// start took 2.4 ms at 64 rows of the default model's vocabulary, 9.6 at 256, against 0.6 and 2.3 for the maximum
+// alone: a quarter of the LM head's time there, AMX kind.)
+template <typename T>
+int64_t first_index_of(const T* x, int64_t n, float value) {
+  for (int64_t block = 0; block < n; block += kSearchBlock) {
+    const int64_t end = std::min(n, block + kSearchBlock);
+    int found = 0;
+#pragma omp simd reduction(| : found)
+    for (int64_t i = block; i < end; ++i) found |= to_f32(x[i]) == value;
+    if (found) {
+      while (to_f32(x[block]) != value) ++block;
+      return block;
+    }
+  }
+  return 0;
+}
 
 // The k largest values offered so far, best first; ties keep the lower index first (indices must be offered in
 // increasing order).
@@ -42,9 +64,8 @@ class TopK {
 // do (~k ln(n / k) values enter in all on random rows).
 template <typename T>
 void select_top_k(const T* x, int64_t n, TopK& best) {
-  constexpr int64_t kBlock = 256;
-  for (int64_t block = 0; block < n; block += kBlock) {
-    const int64_t end = std::min(n, block + kBlock);
+  for (int64_t block = 0; block < n; block += kSearchBlock) {
+    const int64_t end = std::min(n, block + kSearchBlock);
     const float threshold = best.threshold();
     int better = !best.full();
 #pragma omp simd reduction(| : better)
