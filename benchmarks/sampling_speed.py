@@ -6,7 +6,11 @@ Two parts: the sampler alone on [rows, 151,936] bf16 logits for each setting (me
 prompts at once, eos ignored), greedy and each setting, the engine with the kernels and without them (its PyTorch
 path), alternating runs; each row the median wall time of its runs.
 
-    .venv/bin/python benchmarks/sampling_speed.py --rows 1,64,256 --num-prompts 64 --runs 3
+The sampler alone runs on two kinds of logits: "random" (normal, standard deviation 3: at temperature 0.7 top-p 0.9
+keeps ~200 tokens) and "model", the default model's own logits from its decode steps on chat prompts (at
+temperature 0.7, top-p 0.9 keeps 1 token at the median, at most ~30), which decide how far the top-p cut reaches.
+
+    .venv/bin/python benchmarks/sampling_speed.py --rows 1,64,256 --logits random,model --num-prompts 64 --runs 3
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 import torch
 
 from qwenbatch import LLM, SamplingParams
+from qwenbatch.bench.workloads import CHAT_INSTRUCTIONS
 from qwenbatch.layers.cpu_kernels import greedy_tokens, sample_tokens, top_logprobs
 from qwenbatch.layers.sampler import SamplerKernels, SamplingRow, sample
 
@@ -47,11 +52,32 @@ def median_ms(fn, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def sampler_alone(rows: list[int]) -> None:
-    print("| rows | setting | PyTorch path ms | kernel ms | speed-up |\n| --- | --- | --- | --- | --- |")
+def model_logits(count: int) -> torch.Tensor:
+    """``count`` rows of the default model's own bf16 logits: 4 rows of each decode step of 32 chat prompts sampled
+    at temperature 0.7, repeated where fewer."""
+    llm = LLM("default", dtype="auto")
+    captured = []
+
+    def capture(logits: torch.Tensor, settings, edits):
+        captured.append(logits[:4].clone())
+        return sample_tokens(logits, settings, edits)
+
+    llm.engine.runner._sampler_kernels = SamplerKernels(greedy_tokens, capture, top_logprobs)
+    prompts = [[{"role": "user", "content": text}] for text in CHAT_INSTRUCTIONS[:32]]
+    llm.chat(prompts, SamplingParams(temperature=0.7, max_tokens=64, seed=0), use_tqdm=False)
+    rows = torch.cat(captured)
+    return rows.repeat(-(-count // len(rows)), 1)[:count].contiguous()
+
+
+def sampler_alone(rows: list[int], kinds: list[str]) -> None:
+    print("| logits | rows | setting | PyTorch path ms | kernel ms | speed-up |\n| --- | --- | --- | --- | --- | --- |")
     rng = random.Random(0)
-    for count in rows:
-        logits = (torch.randn(count, 151_936) * 3).to(torch.bfloat16)
+    from_model = model_logits(max(rows)) if "model" in kinds else None
+    for kind, count in ((kind, count) for kind in kinds for count in rows):
+        if kind == "model":
+            logits = from_model[:count].contiguous()
+        else:
+            logits = (torch.randn(count, 151_936, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
         histories = [[rng.randrange(151_936) for _ in range(256 + 32)] for _ in range(count)]
         for name, kwargs in SETTINGS.items():
             params = [
@@ -60,7 +86,7 @@ def sampler_alone(rows: list[int]) -> None:
             ]
             before = median_ms(lambda x=logits, params=params: sample(x, params, TORCH_PATH))
             after = median_ms(lambda x=logits, params=params: sample(x, params, KERNELS))
-            print(f"| {count} | {name} | {before:.2f} | {after:.2f} | {before / after:.1f}x |", flush=True)
+            print(f"| {kind} | {count} | {name} | {before:.2f} | {after:.2f} | {before / after:.1f}x |", flush=True)
 
 
 def end_to_end(num_prompts: int, input_len: int, output_len: int, runs: int) -> None:
@@ -94,12 +120,13 @@ def end_to_end(num_prompts: int, input_len: int, output_len: int, runs: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,64,256", help="sampler alone: rows a call")
+    parser.add_argument("--logits", default="random,model", help="sampler alone: random and/or the model's logits")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3, help="end to end: runs of each cell (0: skip)")
     args = parser.parse_args()
-    sampler_alone([int(r) for r in args.rows.split(",")])
+    sampler_alone([int(r) for r in args.rows.split(",")], args.logits.split(","))
     if args.runs:
         end_to_end(args.num_prompts, args.input_len, args.output_len, args.runs)
 

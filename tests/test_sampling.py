@@ -243,6 +243,33 @@ def test_the_sample_kernel_draws_the_tokens_of_the_torch_path():
         assert len(set(want.token_ids)) > logits.shape[0] // 2  # the draws really differ between rows
 
 
+@pytest.mark.parametrize(("high", "nucleus_size"), [(45, 43), (66, 62), (70, 65), (80, 74)])
+def test_top_p_on_the_kernel_cuts_where_the_torch_path_does_within_and_past_the_64_best(high, nucleus_size):
+    """The sample kernel looks for top-p's cut among the 64 best tokens first and bisects over all of them only
+    where those hold less than top_p of the mass: rows of ``high`` tokens near logit 0 and the rest of 151,936 at
+    -11 (~4% of the mass) draw the PyTorch path's tokens, all from the nucleus, and one past 64 tokens is drawn from
+    whole."""
+    rows, vocab = 300, 151_936
+    logits = torch.full((vocab,), -11.0)
+    logits[torch.randperm(vocab, generator=gen(high))[:high]] = torch.rand(high, generator=gen(high + 1)) * 0.1
+    probs = torch.softmax(logits.double(), dim=-1)
+    ranked = probs.argsort(descending=True, stable=True).tolist()
+    nucleus = ranked[: int((probs[ranked].cumsum(0) < 0.9).sum()) + 1]
+    assert len(nucleus) == nucleus_size
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+
+    def draw(kernels: SamplerKernels | None) -> list[int]:
+        return sample(logits.expand(rows, -1), [row(params, generator=gen(i)) for i in range(rows)], kernels).token_ids
+
+    got = draw(PATHS["cpu-kernels"])
+    assert got == draw(None)
+    assert set(got) <= set(nucleus)
+    if nucleus_size > 64:
+        assert set(got) & set(nucleus[64:])  # drawn from past the 64 best
+    else:
+        assert len(set(got)) > nucleus_size // 2
+
+
 def test_random_rows_beside_greedy_and_penalised_rows_take_the_torch_path_tokens():
     logits = random_logits(5, seed=12).bfloat16()
     params = [

@@ -42,6 +42,31 @@ __attribute__((always_inline)) inline float vec_exp(float x) {
 // (the sampling kernel's first pass, a vdivss a logit: ~230 us a row of 151,936). b where either is a NaN.
 __attribute__((always_inline)) inline float max_of(float a, float b) { return a > b ? a : b; }
 
+// The sum of f(i) over i in [0, n): float32 within blocks of 256 in 16 lanes (element i in lane i % 16), each
+// block's lanes added into lanes of double, summed once at the end. An `omp simd` sum over each block sums the
+// block's lanes one after another through memory (GCC 12): a fifth of an exp-and-sum pass over a row of logits, a
+// third of a compare-and-sum pass (7.2 against 11.9 us over 151,936 floats from L2, AMX kind).
+template <typename F>
+__attribute__((always_inline)) inline double lane_sum(int64_t n, F f) {
+  constexpr int64_t kLanes = 16, kBlock = 256;
+  double lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    float part[kLanes] = {};
+    for (int64_t j = i; j < i + kBlock; j += kLanes) {
+#pragma omp simd
+      for (int64_t l = 0; l < kLanes; ++l) part[l] += f(j + l);
+    }
+#pragma omp simd
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += part[l];
+  }
+  float tail = 0.f;
+  for (; i < n; ++i) tail += f(i);
+  double total = tail;
+  for (int64_t l = 0; l < kLanes; ++l) total += lanes[l];
+  return total;
+}
+
 // Storage <-> float32 conversions the compiler vectorizes: c10::BFloat16's own are branchy scalar code
 // (a silu_and_mul row of 4,864 took 40 us with them, 3 us in float32). Same rounding (to nearest even, NaN
 // to 0x7FC0).

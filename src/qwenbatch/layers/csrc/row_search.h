@@ -59,19 +59,30 @@ class TopK {
   std::vector<std::pair<float, int64_t>> best_;
 };
 
+// Whether any of x[begin, end) exceeds `threshold`.
+template <typename T>
+__attribute__((always_inline)) inline bool any_above(const T* x, int64_t begin, int64_t end, float threshold) {
+  int better = 0;
+#pragma omp simd reduction(| : better)
+  for (int64_t i = begin; i < end; ++i) better |= to_f32(x[i]) > threshold;
+  return better;
+}
+
 // The k largest of x[0, n) (read as float32) into `best`. Blocks of x are compared with the k-th best as vectors,
-// and a block is looked at one value at a time only when it holds a better one: after the first few blocks, few
-// do (~k ln(n / k) values enter in all on random rows).
+// and a block that holds a better one is compared again a vector at a time: only such a vector is looked at one
+// value at a time (~k ln(n / k) values enter in all on random rows: at k = 64 over 151,936 floats, 50 us against 65
+// with whole blocks looked at, AMX kind).
 template <typename T>
 void select_top_k(const T* x, int64_t n, TopK& best) {
+  constexpr int64_t kVector = 16;
   for (int64_t block = 0; block < n; block += kSearchBlock) {
     const int64_t end = std::min(n, block + kSearchBlock);
-    const float threshold = best.threshold();
-    int better = !best.full();
-#pragma omp simd reduction(| : better)
-    for (int64_t i = block; i < end; ++i) better |= to_f32(x[i]) > threshold;
-    if (!better) continue;
-    for (int64_t i = block; i < end; ++i) best.offer(to_f32(x[i]), i);
+    if (best.full() && !any_above(x, block, end, best.threshold())) continue;
+    for (int64_t part = block; part < end; part += kVector) {
+      const int64_t part_end = std::min(end, part + kVector);
+      if (best.full() && !any_above(x, part, part_end, best.threshold())) continue;
+      for (int64_t i = part; i < part_end; ++i) best.offer(to_f32(x[i]), i);
+    }
   }
 }
 
