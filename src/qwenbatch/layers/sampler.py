@@ -66,17 +66,18 @@ class LogitEdits:
     values: torch.Tensor  # float32 [E]
 
     @staticmethod
-    def rows_of(starts: torch.Tensor) -> torch.Tensor:
-        """The row of each id of a list cut into rows by ``starts``."""
+    def rows_of(starts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The row of each of ``ids``, a list cut into rows by ``starts``. (The output's size given: on a GPU,
+        repeat_interleave would otherwise wait for the device to learn it.)"""
         counts = starts[1:] - starts[:-1]
-        return torch.repeat_interleave(torch.arange(len(counts), device=starts.device), counts)
+        return torch.repeat_interleave(torch.arange(len(counts), device=starts.device), counts, output_size=len(ids))
 
     def apply(self, logits: torch.Tensor) -> None:
         """Edit float32 ``logits`` [R, vocab] in place, as the kernels do in theirs."""
-        rows = self.rows_of(self.repeated_starts)
+        rows = self.rows_of(self.repeated_starts, self.repeated_ids)
         seen, factor = logits[rows, self.repeated_ids], self.repetition[rows]
         logits[rows, self.repeated_ids] = torch.where(seen > 0, seen / factor, seen * factor)
-        logits[self.rows_of(self.starts), self.ids] = self.values
+        logits[self.rows_of(self.starts, self.ids), self.ids] = self.values
 
 
 # Each row's token as _sample_random draws it (at temperature 0: its argmax) from logits [R, vocab] in the model's
