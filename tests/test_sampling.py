@@ -243,7 +243,7 @@ def test_the_sample_kernel_draws_the_tokens_of_the_torch_path():
         assert len(set(want.token_ids)) > logits.shape[0] // 2  # the draws really differ between rows
 
 
-@pytest.mark.parametrize(("high", "nucleus_size"), [(45, 43), (66, 62), (70, 65), (80, 74)])
+@pytest.mark.parametrize(("high", "nucleus_size"), [(45, 43), (66, 62), (68, 64), (69, 65), (80, 74)])
 def test_top_p_on_the_kernel_cuts_where_the_torch_path_does_within_and_past_the_64_best(high, nucleus_size):
     """The sample kernel looks for top-p's cut among the 64 best tokens first and bisects over all of them only
     where those hold less than top_p of the mass: rows of ``high`` tokens near logit 0 and the rest of 151,936 at
@@ -268,6 +268,32 @@ def test_top_p_on_the_kernel_cuts_where_the_torch_path_does_within_and_past_the_
         assert set(got) & set(nucleus[64:])  # drawn from past the 64 best
     else:
         assert len(set(got)) > nucleus_size // 2
+
+
+@pytest.mark.parametrize(("top_p", "nucleus_size"), [(0.885, 62), (0.897, 64), (0.91, 66)])
+def test_top_p_on_the_kernel_keeps_the_lower_ids_of_logits_tied_across_the_64th(top_p, nucleus_size):
+    """bf16 rows of 60 tokens at logit 1 and 20 tied at 0, scattered over 151,936 (the rest at -11): the cut falls
+    among the tied ones, before, at and past the 64th token, and keeps their lower ids, as the PyTorch path does."""
+    rows, vocab = 300, 151_936
+    ids = torch.randperm(vocab, generator=gen(7))[:80]
+    logits = torch.full((vocab,), -11.0)
+    logits[ids[:60]] = 1.0
+    logits[ids[60:]] = 0.0
+    logits = logits.bfloat16()
+    probs = torch.softmax(logits.double(), dim=-1)
+    ranked = probs.argsort(descending=True, stable=True).tolist()
+    nucleus = ranked[: int((probs[ranked].cumsum(0) < top_p).sum()) + 1]
+    assert len(nucleus) == nucleus_size
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+
+    def draw(kernels: SamplerKernels | None) -> list[int]:
+        return sample(logits.expand(rows, -1), [row(params, generator=gen(i)) for i in range(rows)], kernels).token_ids
+
+    got = draw(PATHS["cpu-kernels"])
+    assert got == draw(None)
+    tied_kept = set(nucleus) - set(ids[:60].tolist())
+    assert tied_kept == set(sorted(ids[60:].tolist())[: nucleus_size - 60])  # the lowest ids of the tied
+    assert set(got) <= set(nucleus) and set(got) & tied_kept
 
 
 def test_random_rows_beside_greedy_and_penalised_rows_take_the_torch_path_tokens():

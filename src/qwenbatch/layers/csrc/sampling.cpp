@@ -39,7 +39,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kBucketShift = 20;
 constexpr int kBuckets = 1 << (32 - kBucketShift);
 constexpr int kTopBucket = 0x3F800000 >> kBucketShift;  // 1.0f's: the best token's weight
-// Weights are summed in blocks of this many (float32, vectorized), the blocks in double.
+// The draw's blocks: each block's kept weight summed (float32, vectorized), then the block the draw falls in searched.
 constexpr int64_t kBlock = 256;
 // A top-k up to this many is found by qb::select_top_k (its cost grows with k), a larger one by bisection.
 constexpr int64_t kSmallTopK = 64;
