@@ -24,7 +24,7 @@ from torch import nn
 from qwenbatch.layers.activation import SiluAndMul
 from qwenbatch.layers.norm import RMSNorm
 from qwenbatch.layers.rotary import Rope, RotaryEmbedding
-from qwenbatch.layers.sampler import LogitEdits, RowSettings
+from qwenbatch.layers.sampler import RowPenalties, RowSettings
 
 logger = logging.getLogger(__name__)
 
@@ -168,12 +168,14 @@ def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     return tokens.tolist(), non_finite.tolist()
 
 
-def sample_tokens(logits: torch.Tensor, settings: RowSettings, edits: LogitEdits) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's token drawn by the inverse CDF at its uniform number after temperature, top-k, top-p and min-p (at
-    temperature 0: its argmax), with ``edits`` in place of their logits, as the sampler's PyTorch path picks it, in a
-    few vector passes over each row rather than a sort; and whether the row itself holds an inf or a NaN: the
-    sampler's ``SamplerKernels.sample`` (layers/sampler.py). Logits [R, vocab] in any float dtype."""
-    s, e = settings, edits
+def sample_tokens(
+    logits: torch.Tensor, settings: RowSettings, penalties: RowPenalties
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's token drawn by the inverse CDF at its uniform number after its penalties, temperature, top-k, top-p
+    and min-p (at temperature 0: its argmax), as the sampler's PyTorch path picks it, in a few vector passes over
+    each row rather than a sort; and whether the row itself holds an inf or a NaN: the sampler's
+    ``SamplerKernels.sample`` (layers/sampler.py). Logits [R, vocab] in any float dtype."""
+    s, p = settings, penalties
     return kernels().sample_tokens(
         logits,
         s.temperature,
@@ -181,12 +183,15 @@ def sample_tokens(logits: torch.Tensor, settings: RowSettings, edits: LogitEdits
         s.top_p,
         s.min_p,
         s.uniform,
-        e.repetition,
-        e.repeated_starts,
-        e.repeated_ids,
-        e.starts,
-        e.ids,
-        e.values,
+        p.repetition,
+        p.presence,
+        p.frequency,
+        p.prompt_starts,
+        p.prompt_ids,
+        p.output_starts,
+        p.output_ids,
+        p.suppressed_starts,
+        p.suppressed_ids,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
@@ -50,13 +51,32 @@ class RowSettings:
 
 
 @dataclass(frozen=True)
+class RowPenalties:
+    """What penalties and suppressed ids ask of R rows, as int64 ids on the CPU cut into rows by ``*_starts`` [R + 1]
+    (row r's prompt ids are ``prompt_ids[prompt_starts[r]:prompt_starts[r + 1]]``): the logits at the prompt's
+    distinct ids and at the output's ids (each as often as generated; rows with penalties only) scaled by the
+    repetition penalty (float32 [R]: divided where positive, multiplied where not), those at the output's ids from
+    the row's own logit and then lowered by frequency x count + presence (float64 [R]), and those at the suppressed
+    ids set to -inf. A prompt is long and its ids are the same every step: they stay ids."""
+
+    repetition: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    prompt_starts: torch.Tensor
+    prompt_ids: torch.Tensor
+    output_starts: torch.Tensor
+    output_ids: torch.Tensor
+    suppressed_starts: torch.Tensor
+    suppressed_ids: torch.Tensor
+
+
+@dataclass(frozen=True)
 class LogitEdits:
-    """What penalties and suppressed ids do to a few logits of each of R rows, in two steps. First row r's logits at
-    its prompt's ids, ``repeated_ids[repeated_starts[r]:repeated_starts[r + 1]]``, are scaled by its repetition
-    penalty ``repetition[r]`` (divided where positive, multiplied where not). Then its logits at its output's and its
-    suppressed ids, ``ids[starts[r]:starts[r + 1]]``, take ``values``: float32, computed from the row's own logits
-    with every penalty applied. A prompt is long and its ids are the same every step: they stay ids; the output's
-    and suppressed ids are few."""
+    """RowPenalties as the PyTorch path applies them to the logits of R rows on their device, in two steps. First row
+    r's logits at its prompt's ids, ``repeated_ids[repeated_starts[r]:repeated_starts[r + 1]]``, are scaled by its
+    repetition penalty ``repetition[r]``. Then its logits at its output's and its suppressed ids,
+    ``ids[starts[r]:starts[r + 1]]``, take ``values``: float32, computed from the row's own logits with every penalty
+    applied. (The CPU kernel computes the same values from RowPenalties itself.)"""
 
     repetition: torch.Tensor  # float32 [R]
     repeated_starts: torch.Tensor  # int64 [R + 1]
@@ -81,8 +101,8 @@ class LogitEdits:
 
 
 # Each row's token as _sample_random draws it (at temperature 0: its argmax) from logits [R, vocab] in the model's
-# dtype or float32 with the edits standing in for their logits, and whether the row itself holds an inf or a NaN.
-SampleKernel = Callable[[torch.Tensor, RowSettings, LogitEdits], tuple[torch.Tensor, torch.Tensor]]
+# dtype or float32 after its penalties, and whether the row itself holds an inf or a NaN.
+SampleKernel = Callable[[torch.Tensor, RowSettings, RowPenalties], tuple[torch.Tensor, torch.Tensor]]
 # Each row's log-sum-exp [R] and its k largest logits as log-probabilities [R, k] with their ids [R, k], from logits
 # [R, vocab] in the model's dtype or float32 (as _top_logprobs).
 LogprobsKernel = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -92,7 +112,7 @@ LogprobsKernel = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor,
 class SamplerKernels:
     """Kernels that take over the PyTorch path below on their device, with the same tokens (the CPU's:
     layers/cpu_kernels.py): ``greedy`` for greedy rows without penalties or suppressed ids, ``sample`` for every
-    other row (with its penalties and suppressed ids as edits), ``logprobs`` for the rows that ask for
+    other row (with its penalties and suppressed ids), ``logprobs`` for the rows that ask for
     log-probabilities. Without ``sample``, every row but a step of plain greedy rows takes the PyTorch path."""
 
     greedy: GreedyKernel | None = None
@@ -141,7 +161,7 @@ def _tokens_on_kernels(
             token_ids[i], non_finite[i] = ids[j], flags[j]
     if others:
         subset, picked = (logits[others] if greedy else logits), [rows[i] for i in others]
-        ids, flags = kernels.sample(subset, _row_settings(picked, subset), _logit_edits(subset, picked))
+        ids, flags = kernels.sample(subset, _row_settings(picked, subset), _row_penalties(picked, subset.shape[-1]))
         for i, token, flag in zip(others, ids.tolist(), flags.tolist(), strict=True):
             token_ids[i], non_finite[i] = token, flag
     return token_ids, non_finite
@@ -157,7 +177,7 @@ def _tokens_on_torch(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[lis
     if any(_edited(r) for r in rows):
         # Edited in place: on a copy of the caller's logits only where float() returned them as they were.
         logits = logits.clone() if logits.data_ptr() == raw.data_ptr() else logits
-        _logit_edits(logits, rows).apply(logits)
+        _logit_edits(logits, _row_penalties(rows, logits.shape[-1])).apply(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if len(random_rows) < len(rows):
         tokens = logits.argmax(dim=-1)
@@ -199,51 +219,67 @@ def _top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     return lse, top - lse[:, None], ids
 
 
-def _logit_edits(logits: torch.Tensor, rows: list[SamplingRow]) -> LogitEdits:
-    """Each row's suppressed ids, repetition penalty (on the ids its prompt or output holds), and presence and
-    frequency penalties (on the ids its output holds), in float32 and in that order, as LogitEdits. Only those ids
-    are touched (a pass over the vocabulary a row cost ~1 ms at 151,936 logits), the output's and suppressed ones
-    found as tensor keys row * vocab + id (in Python sets and lists: 10.5 ms a step at 64 rows of 288 ids)."""
-    device, vocab = logits.device, logits.shape[-1]
+def _row_penalties(rows: list[SamplingRow], vocab: int) -> RowPenalties:
+    """Each row's penalties and suppressed ids (rows without them: none)."""
     if not any(_edited(r) for r in rows):
-        none, starts = NO_PROMPT_IDS.to(device), torch.zeros(len(rows) + 1, dtype=torch.long, device=device)
-        return LogitEdits(torch.ones(len(rows), device=device), starts, none, starts, none, none.float())
+        return _no_penalties(len(rows))
     if any(not 0 <= t < vocab for r in rows for t in r.suppressed_token_ids):
         raise ValueError(f"a suppressed token id lies outside the vocabulary of {vocab}")
     params = [r.params for r in rows]
-    repeated = [r.prompt_ids if r.params.repetition_penalty != 1.0 else NO_PROMPT_IDS for r in rows]
-    repeated_starts = torch.tensor([0, *accumulate(len(ids) for ids in repeated)], dtype=torch.long)
-    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
-
-    def keys(lists: list[tuple[int, Sequence[int]]]) -> torch.Tensor:
-        """row * vocab + id for every id of every (row, ids)."""
-        ids = torch.tensor(list(chain.from_iterable(ids for _, ids in lists)), dtype=torch.long)
-        counts = torch.tensor([len(ids) for _, ids in lists], dtype=torch.long)
-        return torch.repeat_interleave(torch.tensor([i for i, _ in lists], dtype=torch.long), counts) * vocab + ids
-
-    banned = keys([(i, r.suppressed_token_ids) for i, r in enumerate(rows)])
-    output, counts = keys([(i, r.output_token_ids) for i, r in enumerate(rows) if r.params.has_penalties]).unique(
-        return_counts=True
+    prompts = [r.prompt_ids if r.params.repetition_penalty != 1.0 else NO_PROMPT_IDS for r in rows]
+    outputs = [r.output_token_ids if r.params.has_penalties else () for r in rows]
+    suppressed = [r.suppressed_token_ids for r in rows]
+    return RowPenalties(
+        torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
+        torch.tensor([p.presence_penalty for p in params], dtype=torch.float64),
+        torch.tensor([p.frequency_penalty for p in params], dtype=torch.float64),
+        _starts(prompts),
+        torch.cat(prompts),
+        _starts(outputs),
+        torch.tensor(list(chain.from_iterable(outputs)), dtype=torch.long),
+        _starts(suppressed),
+        torch.tensor(list(chain.from_iterable(suppressed)), dtype=torch.long),
     )
+
+
+def _starts(lists: Sequence[Sequence[int] | torch.Tensor]) -> torch.Tensor:
+    """Where each list starts in their concatenation, and where the last ends (int64 [len(lists) + 1])."""
+    return torch.tensor([0, *accumulate(len(ids) for ids in lists)], dtype=torch.long)
+
+
+@functools.lru_cache(maxsize=16)
+def _no_penalties(rows: int) -> RowPenalties:
+    """RowPenalties of ``rows`` rows without any (shared: nothing writes to them)."""
+    starts, none = torch.zeros(rows + 1, dtype=torch.long), NO_PROMPT_IDS
+    zeros = torch.zeros(rows, dtype=torch.float64)
+    return RowPenalties(torch.ones(rows), zeros, zeros, starts, none, starts, none, starts, none)
+
+
+def _logit_edits(logits: torch.Tensor, penalties: RowPenalties) -> LogitEdits:
+    """``penalties`` as LogitEdits on the logits' device: only the ids they name are touched (a pass over the
+    vocabulary a row cost ~1 ms at 151,936 logits), the output's and suppressed ones found as tensor keys
+    row * vocab + id (in Python sets and lists: 10.5 ms a step at 64 rows of 288 ids)."""
+    device, vocab, pen = logits.device, logits.shape[-1], penalties
+    banned = LogitEdits.rows_of(pen.suppressed_starts, pen.suppressed_ids) * vocab + pen.suppressed_ids
+    output = LogitEdits.rows_of(pen.output_starts, pen.output_ids) * vocab + pen.output_ids
+    output, counts = output.unique(return_counts=True)
     touched = torch.cat([banned, output]).unique()  # sorted: by row, then by id
     values = logits[(touched // vocab).to(device), (touched % vocab).to(device)].float()
     values = values.index_fill(0, torch.searchsorted(touched, banned).to(device), float("-inf"))
     factor = torch.ones(len(touched), dtype=torch.float32)
-    factor[torch.searchsorted(touched, output)] = repetition[output // vocab]
+    row = output // vocab
+    factor[torch.searchsorted(touched, output)] = pen.repetition[row]
     factor = factor.to(device)
     values = torch.where(values > 0, values / factor, values * factor)
     # frequency * count + presence, in float64 as Python computes it, on the ids the output holds.
     amount = torch.zeros(len(touched), dtype=torch.float64)
-    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float64)
-    presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float64)
-    row = output // vocab
-    amount[torch.searchsorted(touched, output)] = frequency[row] * counts + presence[row]
+    amount[torch.searchsorted(touched, output)] = pen.frequency[row] * counts + pen.presence[row]
     values -= amount.float().to(device)
     return LogitEdits(
-        repetition.to(device),
-        repeated_starts.to(device),
-        torch.cat(repeated).to(device),
-        torch.searchsorted(touched, torch.arange(len(rows) + 1) * vocab).to(device),
+        pen.repetition.to(device),
+        pen.prompt_starts.to(device),
+        pen.prompt_ids.to(device),
+        torch.searchsorted(touched, torch.arange(len(pen.repetition) + 1) * vocab).to(device),
         (touched % vocab).to(device),
         values,
     )

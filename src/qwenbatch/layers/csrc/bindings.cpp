@@ -44,7 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_tokens", &greedy_tokens, "each row's argmax and whether it holds an inf or a NaN, in one pass");
   m.def("sample_tokens", &sample_tokens,
         "each row's token drawn from one uniform number after temperature, top-k, top-p and min-p (temperature 0: "
-        "the argmax), a few of its logits edited",
+        "the argmax), after its penalties and suppressed ids",
         no_gil);
   m.def("top_logprobs", &top_logprobs, "each row's log-sum-exp and its k best logits as log-probabilities, with ids",
         no_gil);

@@ -28,13 +28,14 @@ std::string prefill_attention_isa();
 torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
                                 const c10::optional<torch::Tensor>& slots, const c10::optional<torch::Tensor>& out);
 std::tuple<torch::Tensor, torch::Tensor> greedy_tokens(const torch::Tensor& logits);
-// Each row's token drawn at random after temperature, top-k, top-p and min-p, or its argmax, with a few of its logits
-// edited (sampling.cpp).
+// Each row's token drawn at random after temperature, top-k, top-p and min-p, or its argmax, after its penalties and
+// suppressed ids (sampling.cpp).
 std::tuple<torch::Tensor, torch::Tensor> sample_tokens(
     const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
     const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& uniform,
-    const torch::Tensor& repetition, const torch::Tensor& repeated_starts, const torch::Tensor& repeated_ids,
-    const torch::Tensor& edit_starts, const torch::Tensor& edit_ids, const torch::Tensor& edit_values);
+    const torch::Tensor& repetition, const torch::Tensor& presence, const torch::Tensor& frequency,
+    const torch::Tensor& repeated_starts, const torch::Tensor& repeated_ids, const torch::Tensor& output_starts,
+    const torch::Tensor& output_ids, const torch::Tensor& suppressed_starts, const torch::Tensor& suppressed_ids);
 // Each row's log-sum-exp and its k best logits as log-probabilities, with their ids (logprobs.cpp).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> top_logprobs(const torch::Tensor& logits, int64_t k);
 

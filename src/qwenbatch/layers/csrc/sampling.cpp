@@ -1,7 +1,7 @@
 // Sampling one token per row: temperature, top-k, top-p and min-p, then a draw by the inverse of the distribution's
-// CDF, from one uniform number a row; or, at temperature 0, the argmax. Penalties and suppressed tokens come as edits
-// (LogitEdits in layers/sampler.py): the logits at the prompt's ids scaled by the repetition penalty, then new values
-// for the logits at the output's and suppressed ids. The sampler's PyTorch path
+// CDF, from one uniform number a row; or, at temperature 0, the argmax. Penalties and suppressed tokens come as ids
+// (RowPenalties in layers/sampler.py): the logits at the prompt's ids scaled by the repetition penalty, those at the
+// output's ids given their penalised values, the suppressed ones -inf, as the PyTorch path's LogitEdits. The sampler's PyTorch path
 // (layers/sampler.py) sorts each row of 151,936 logits for top-k / top-p; before this kernel (and with an
 // exponential race for the draw: 151,936 random numbers a row) it took 276 ms (temperature only) to 654 ms
 // (top-p) a step at 64 rows on a 2-core CPU, several times the model's own step. Here a row takes a few vector
@@ -51,14 +51,17 @@ struct RowParams {
   float temperature, top_p, min_p;  // temperature 0: the argmax
   int64_t top_k;                    // 0: off
   double u;                         // in [0, 1)
-  // The row's edits: first the logits at repeated_ids scaled by `repetition`, then edit_ids[j]'s replaced by
-  // edit_values[j] (float32, already penalised).
+  // The row's penalties: the logits at repeated_ids (the prompt's distinct ids) scaled by `repetition`; then those at
+  // output_ids (the output's, each as often as generated) scaled by it from the row's own logit, less frequency *
+  // count + presence; then those at suppressed_ids -inf.
   float repetition;
+  double presence, frequency;
   const int64_t* repeated_ids;
   int64_t repeated;
-  const int64_t* edit_ids;
-  const float* edit_values;
-  int64_t edits;
+  const int64_t* output_ids;
+  int64_t outputs;
+  const int64_t* suppressed_ids;
+  int64_t suppressed;
 };
 
 // A candidate of the ranking: its scaled logit, id and weight.
@@ -117,6 +120,7 @@ struct Scratch {
   std::vector<float> y, w;
   std::vector<double> block_mass;
   std::vector<Ranked> ranked;
+  std::vector<int64_t> ids;
 
   explicit Scratch(int64_t vocab) : y(vocab), w(vocab), block_mass((vocab + kBlock - 1) / kBlock) {}
 };
@@ -205,6 +209,22 @@ double weigh(const float* y, float* w, int64_t vocab, float top) {
   return qb::lane_sum(vocab, [&](int64_t i) { return w[i] = y[i] == kNegInf ? 0.f : qb::vec_exp(y[i] - top); });
 }
 
+// y at the output's distinct ids: each one's logit scaled by the repetition penalty (divided where positive,
+// multiplied where not), less frequency * count + presence (in double, rounded to float32), over the temperature;
+// the same float32 operations as LogitEdits in layers/sampler.py. `ids` is scratch.
+template <typename T>
+void penalise_output(const T* logits, const RowParams& p, float temperature, std::vector<int64_t>& ids, float* y) {
+  ids.assign(p.output_ids, p.output_ids + p.outputs);
+  std::sort(ids.begin(), ids.end());
+  for (size_t first = 0, end = 0; first < ids.size(); first = end) {
+    while (end < ids.size() && ids[end] == ids[first]) ++end;
+    const float x = qb::to_f32(logits[ids[first]]);
+    const float scaled = x > 0.f ? x / p.repetition : x * p.repetition;
+    const double amount = p.frequency * static_cast<double>(end - first) + p.presence;
+    y[ids[first]] = (scaled - static_cast<float>(amount)) / temperature;
+  }
+}
+
 // Row `logits` (any float dtype) sampled as the file's header says; `non_finite` set where the row itself (not its
 // edits) holds an inf or a NaN.
 template <typename T>
@@ -221,12 +241,13 @@ int64_t sample_row(const T* logits, int64_t vocab, const RowParams& p, Scratch& 
     top = qb::max_of(top, y[i]);
   }
   non_finite = !(poison == 0.f);
-  if (p.repeated > 0 || p.edits > 0) {  // -inf here is a suppressed token: the row still samples
+  if (p.repeated > 0 || p.outputs > 0 || p.suppressed > 0) {  // -inf here is a suppressed token: the row still samples
     for (int64_t j = 0; j < p.repeated; ++j) {
       const float x = qb::to_f32(logits[p.repeated_ids[j]]);
       y[p.repeated_ids[j]] = (x > 0.f ? x / p.repetition : x * p.repetition) / temperature;
     }
-    for (int64_t j = 0; j < p.edits; ++j) y[p.edit_ids[j]] = p.edit_values[j] / temperature;
+    penalise_output(logits, p, temperature, s.ids, y);
+    for (int64_t j = 0; j < p.suppressed; ++j) y[p.suppressed_ids[j]] = kNegInf;
     top = kNegInf;
 #pragma omp simd reduction(max : top)
     for (int64_t i = 0; i < vocab; ++i) top = qb::max_of(top, y[i]);
@@ -322,28 +343,31 @@ int64_t sample_row(const T* logits, int64_t vocab, const RowParams& p, Scratch& 
   return last_kept;  // u * total past the sum by rounding: the last kept token
 }
 
-// Every row's settings and edits: row r's repeated ids are repeated_ids [repeated_starts[r], repeated_starts[r + 1]),
-// its edits edit_ids / edit_values [edit_starts[r], edit_starts[r + 1]).
+// Every row's settings and penalties: row r's repeated ids are repeated_ids [repeated_starts[r],
+// repeated_starts[r + 1]), and its output and suppressed ids the same way.
 struct Settings {
   const float *temperature, *top_p, *min_p, *repetition;
+  const double *presence, *frequency;
   const int64_t* top_k;
   const double* uniform;
-  const int64_t *repeated_starts, *repeated_ids, *edit_starts, *edit_ids;
-  const float* edit_values;
+  const int64_t *repeated_starts, *repeated_ids, *output_starts, *output_ids, *suppressed_starts, *suppressed_ids;
 
   RowParams row(int64_t r) const {
-    const int64_t repeated = repeated_starts[r], edit = edit_starts[r];
+    const int64_t repeated = repeated_starts[r], output = output_starts[r], suppressed = suppressed_starts[r];
     return {temperature[r],
             top_p[r],
             min_p[r],
             top_k[r],
             uniform[r],
             repetition[r],
+            presence[r],
+            frequency[r],
             repeated_ids + repeated,
             repeated_starts[r + 1] - repeated,
-            edit_ids + edit,
-            edit_values + edit,
-            edit_starts[r + 1] - edit};
+            output_ids + output,
+            output_starts[r + 1] - output,
+            suppressed_ids + suppressed,
+            suppressed_starts[r + 1] - suppressed};
   }
 };
 
@@ -377,14 +401,16 @@ void check_rows_of_ids(const torch::Tensor& starts, const torch::Tensor& ids, in
 }  // namespace
 
 // logits: [R, vocab] float32, bfloat16 or float16; temperature (>= 0; 0: the argmax), top_p, min_p, repetition:
-// float32 [R]; top_k: int64 [R] (0: off); uniform: float64 [R] in [0, 1); repeated_starts / repeated_ids and
-// edit_starts / edit_ids (int64) with edit_values (float32): the edits, cut into rows as LogitEdits says. Returns
-// each row's token (int64 [R]) and whether the row held an inf or a NaN (bool [R]).
+// float32 [R]; presence, frequency: float64 [R]; top_k: int64 [R] (0: off); uniform: float64 [R] in [0, 1);
+// repeated_starts / repeated_ids, output_starts / output_ids and suppressed_starts / suppressed_ids (int64): the
+// penalties' ids, cut into rows as RowPenalties says. Returns each row's token (int64 [R]) and whether the row held
+// an inf or a NaN (bool [R]).
 std::tuple<torch::Tensor, torch::Tensor> sample_tokens(
     const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
     const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& uniform,
-    const torch::Tensor& repetition, const torch::Tensor& repeated_starts, const torch::Tensor& repeated_ids,
-    const torch::Tensor& edit_starts, const torch::Tensor& edit_ids, const torch::Tensor& edit_values) {
+    const torch::Tensor& repetition, const torch::Tensor& presence, const torch::Tensor& frequency,
+    const torch::Tensor& repeated_starts, const torch::Tensor& repeated_ids, const torch::Tensor& output_starts,
+    const torch::Tensor& output_ids, const torch::Tensor& suppressed_starts, const torch::Tensor& suppressed_ids) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "sample_tokens: logits must be [rows, vocab]");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   const auto check = [&](const torch::Tensor& t, torch::ScalarType type, const char* name) {
@@ -395,23 +421,26 @@ std::tuple<torch::Tensor, torch::Tensor> sample_tokens(
   const torch::Tensor x = logits.contiguous(), t = check(temperature, torch::kFloat32, "temperature"),
                       k = check(top_k, torch::kInt64, "top_k"), tp = check(top_p, torch::kFloat32, "top_p"),
                       mp = check(min_p, torch::kFloat32, "min_p"), u = check(uniform, torch::kFloat64, "uniform"),
-                      rp = check(repetition, torch::kFloat32, "repetition");
+                      rp = check(repetition, torch::kFloat32, "repetition"),
+                      pp = check(presence, torch::kFloat64, "presence"),
+                      fp = check(frequency, torch::kFloat64, "frequency");
   check_rows_of_ids(repeated_starts, repeated_ids, rows, vocab, "repeated_ids");
-  check_rows_of_ids(edit_starts, edit_ids, rows, vocab, "edit_ids");
-  TORCH_CHECK(edit_values.dim() == 1 && edit_values.scalar_type() == torch::kFloat32 && edit_values.is_contiguous() &&
-                  edit_values.size(0) == edit_ids.size(0),
-              "sample_tokens: edit_values must be contiguous float32, one per edit id");
+  check_rows_of_ids(output_starts, output_ids, rows, vocab, "output_ids");
+  check_rows_of_ids(suppressed_starts, suppressed_ids, rows, vocab, "suppressed_ids");
   const Settings settings{t.data_ptr<float>(),
                           tp.data_ptr<float>(),
                           mp.data_ptr<float>(),
                           rp.data_ptr<float>(),
+                          pp.data_ptr<double>(),
+                          fp.data_ptr<double>(),
                           k.data_ptr<int64_t>(),
                           u.data_ptr<double>(),
                           repeated_starts.data_ptr<int64_t>(),
                           repeated_ids.data_ptr<int64_t>(),
-                          edit_starts.data_ptr<int64_t>(),
-                          edit_ids.data_ptr<int64_t>(),
-                          edit_values.data_ptr<float>()};
+                          output_starts.data_ptr<int64_t>(),
+                          output_ids.data_ptr<int64_t>(),
+                          suppressed_starts.data_ptr<int64_t>(),
+                          suppressed_ids.data_ptr<int64_t>()};
   torch::Tensor tokens = torch::empty({rows}, torch::kInt64), non_finite = torch::empty({rows}, torch::kBool);
   QB_DISPATCH(x.scalar_type(), "sample_tokens",
               sample_rows(x.data_ptr<scalar_t>(), rows, vocab, settings, tokens.data_ptr<int64_t>(),
