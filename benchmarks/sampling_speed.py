@@ -58,9 +58,9 @@ def model_logits(count: int) -> torch.Tensor:
     llm = LLM("default", dtype="auto")
     captured = []
 
-    def capture(logits: torch.Tensor, settings, edits):
+    def capture(logits: torch.Tensor, settings, penalties):
         captured.append(logits[:4].clone())
-        return sample_tokens(logits, settings, edits)
+        return sample_tokens(logits, settings, penalties)
 
     llm.engine.runner._sampler_kernels = SamplerKernels(greedy_tokens, capture, top_logprobs)
     prompts = [[{"role": "user", "content": text}] for text in CHAT_INSTRUCTIONS[:32]]

@@ -301,7 +301,7 @@ def test_random_rows_beside_greedy_and_penalised_rows_take_the_torch_path_tokens
     params = [
         SamplingParams(temperature=0),
         SamplingParams(temperature=0.9, top_p=0.8),
-        SamplingParams(temperature=0.9, top_k=5, presence_penalty=1.0),  # penalised: edits on the kernel path
+        SamplingParams(temperature=0.9, top_k=5, presence_penalty=1.0),  # penalised: on the kernel path too
         SamplingParams(temperature=1.2),
         SamplingParams(temperature=0),
     ]
@@ -390,10 +390,11 @@ def test_penalties_leave_the_callers_logits_as_they_were(dtype, kernels):
 
 
 def test_the_kernels_pick_the_torch_path_tokens_for_penalised_and_suppressed_rows():
-    """Penalties and suppressed ids reach the sample kernel as edits of a few logits: over the real vocabulary's size,
-    in bf16 and float32, greedy and random rows pick the PyTorch path's tokens. Each row's history holds its best
-    tokens, so the edits move its pick: down past the best (the kernel must find the new maximum), or, with a negative
-    penalty, up; its prompt shares ids with its output and its suppressed ids, whose logits take every penalty once."""
+    """Penalties and suppressed ids reach the sample kernel as ids, which it counts and penalises itself: over the
+    real vocabulary's size, in bf16 and float32, greedy and random rows pick the PyTorch path's tokens. Each row's
+    history holds its best tokens, so the penalties move its pick: down past the best (the kernel must find the new
+    maximum), or, with a negative penalty, up; its prompt shares ids with its output and its suppressed ids, whose
+    logits take every penalty once."""
     settings = [
         SamplingParams(temperature=0, presence_penalty=1.5),
         SamplingParams(temperature=0, repetition_penalty=1.3),

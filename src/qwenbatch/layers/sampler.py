@@ -252,7 +252,7 @@ def _no_penalties(rows: int) -> RowPenalties:
     """RowPenalties of ``rows`` rows without any (shared: nothing writes to them)."""
     starts, none = torch.zeros(rows + 1, dtype=torch.long), NO_PROMPT_IDS
     zeros = torch.zeros(rows, dtype=torch.float64)
-    return RowPenalties(torch.ones(rows), zeros, zeros, starts, none, starts, none, starts, none)
+    return RowPenalties(torch.ones(rows, dtype=torch.float32), zeros, zeros, starts, none, starts, none, starts, none)
 
 
 def _logit_edits(logits: torch.Tensor, penalties: RowPenalties) -> LogitEdits:

@@ -1,10 +1,10 @@
 // Sampling one token per row: temperature, top-k, top-p and min-p, then a draw by the inverse of the distribution's
 // CDF, from one uniform number a row; or, at temperature 0, the argmax. Penalties and suppressed tokens come as ids
 // (RowPenalties in layers/sampler.py): the logits at the prompt's ids scaled by the repetition penalty, those at the
-// output's ids given their penalised values, the suppressed ones -inf, as the PyTorch path's LogitEdits. The sampler's PyTorch path
-// (layers/sampler.py) sorts each row of 151,936 logits for top-k / top-p; before this kernel (and with an
-// exponential race for the draw: 151,936 random numbers a row) it took 276 ms (temperature only) to 654 ms
-// (top-p) a step at 64 rows on a 2-core CPU, several times the model's own step. Here a row takes a few vector
+// output's ids given their penalised values, the suppressed ones -inf, as the PyTorch path's LogitEdits. The
+// sampler's PyTorch path (layers/sampler.py) sorts each row of 151,936 logits for top-k / top-p; before this kernel
+// (and with an exponential race for the draw: 151,936 random numbers a row) it took 276 ms (temperature only) to
+// 654 ms (top-p) a step at 64 rows on a 2-core CPU, several times the model's own step. Here a row takes a few vector
 // passes over its logits; the kept set and the draw are the PyTorch path's:
 // - y = logit / temperature; tokens ranked by y, ties by the lower id (a stable descending sort);
 // - top-k keeps the first k of that ranking; top-p then keeps a token while the mass ranked before it is below
@@ -209,6 +209,12 @@ double weigh(const float* y, float* w, int64_t vocab, float top) {
   return qb::lane_sum(vocab, [&](int64_t i) { return w[i] = y[i] == kNegInf ? 0.f : qb::vec_exp(y[i] - top); });
 }
 
+// frequency * count + presence with each operation rounded, as the PyTorch path computes it: not fused into one
+// FMA, as GCC does by default in C++ (a different float32 value wherever the sum lies halfway between two).
+__attribute__((optimize("fp-contract=off"))) double penalty(double frequency, size_t count, double presence) {
+  return frequency * static_cast<double>(count) + presence;
+}
+
 // y at the output's distinct ids: each one's logit scaled by the repetition penalty (divided where positive,
 // multiplied where not), less frequency * count + presence (in double, rounded to float32), over the temperature;
 // the same float32 operations as LogitEdits in layers/sampler.py. `ids` is scratch.
@@ -220,13 +226,12 @@ void penalise_output(const T* logits, const RowParams& p, float temperature, std
     while (end < ids.size() && ids[end] == ids[first]) ++end;
     const float x = qb::to_f32(logits[ids[first]]);
     const float scaled = x > 0.f ? x / p.repetition : x * p.repetition;
-    const double amount = p.frequency * static_cast<double>(end - first) + p.presence;
-    y[ids[first]] = (scaled - static_cast<float>(amount)) / temperature;
+    y[ids[first]] = (scaled - static_cast<float>(penalty(p.frequency, end - first, p.presence))) / temperature;
   }
 }
 
 // Row `logits` (any float dtype) sampled as the file's header says; `non_finite` set where the row itself (not its
-// edits) holds an inf or a NaN.
+// penalties) holds an inf or a NaN.
 template <typename T>
 int64_t sample_row(const T* logits, int64_t vocab, const RowParams& p, Scratch& s, bool& non_finite) {
   float* y = s.y.data();
