@@ -25,7 +25,7 @@ from qwenbatch.layers.cpu_kernels import greedy_tokens, sample_tokens, top_logpr
 from qwenbatch.layers.cpu_kernels import kernels as cpu_kernel_module
 from qwenbatch.layers.opaque_attention import step_attention
 from qwenbatch.layers.prefill_choice import OURS, SDPA
-from qwenbatch.layers.sampler import SamplerKernels, SamplingRow, sample
+from qwenbatch.layers.sampler import NO_PROMPT_IDS, SamplerKernels, SamplingRow, sample
 from qwenbatch.loader.kernels import ModelKernels
 from qwenbatch.models.config import ModelConfig
 from qwenbatch.sampling_params import SamplingParams
@@ -173,7 +173,7 @@ class ModelRunner:
         worst = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)
         sample(
             self.model.compute_logits(hidden[rows]),
-            [SamplingRow(worst, [], torch.empty(0, dtype=torch.long), None, ())] * num_sample_rows,
+            [SamplingRow(worst, [], NO_PROMPT_IDS, None, ())] * num_sample_rows,
         )
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - held

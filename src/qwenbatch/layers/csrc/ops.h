@@ -34,7 +34,7 @@ std::tuple<torch::Tensor, torch::Tensor> sample_tokens(
     const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
     const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& uniform,
     const torch::Tensor& repetition, const torch::Tensor& presence, const torch::Tensor& frequency,
-    const torch::Tensor& repeated_starts, const torch::Tensor& repeated_ids, const torch::Tensor& output_starts,
+    const torch::Tensor& prompt_starts, const torch::Tensor& prompt_ids, const torch::Tensor& output_starts,
     const torch::Tensor& output_ids, const torch::Tensor& suppressed_starts, const torch::Tensor& suppressed_ids);
 // Each row's log-sum-exp and its k best logits as log-probabilities, with their ids (logprobs.cpp).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> top_logprobs(const torch::Tensor& logits, int64_t k);

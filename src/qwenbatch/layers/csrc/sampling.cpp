@@ -51,13 +51,13 @@ struct RowParams {
   float temperature, top_p, min_p;  // temperature 0: the argmax
   int64_t top_k;                    // 0: off
   double u;                         // in [0, 1)
-  // The row's penalties: the logits at repeated_ids (the prompt's distinct ids) scaled by `repetition`; then those at
+  // The row's penalties: the logits at prompt_ids (the prompt's distinct ids) scaled by `repetition`; then those at
   // output_ids (the output's, each as often as generated) scaled by it from the row's own logit, less frequency *
   // count + presence; then those at suppressed_ids -inf.
   float repetition;
   double presence, frequency;
-  const int64_t* repeated_ids;
-  int64_t repeated;
+  const int64_t* prompt_ids;
+  int64_t prompts;
   const int64_t* output_ids;
   int64_t outputs;
   const int64_t* suppressed_ids;
@@ -135,6 +135,18 @@ size_t top_p_keeps(const std::vector<Ranked>& ranked, double before, double targ
     ++kept;
   }
   return kept;
+}
+
+// The summed weight of `ranked`.
+double mass_of(const std::vector<Ranked>& ranked) {
+  double mass = 0.0;
+  for (const Ranked& r : ranked) mass += r.w;
+  return mass;
+}
+
+// How many of a top-k's `ranked` tokens top-p keeps: it cuts them by their own mass.
+size_t top_p_of_top_k(const std::vector<Ranked>& ranked, float top_p) {
+  return top_p < 1.f ? top_p_keeps(ranked, 0.0, top_p * mass_of(ranked)) : ranked.size();
 }
 
 // Zeroes the weights of the tokens top-k or top-p drop, from the ranked candidates they keep: every token at or above
@@ -246,10 +258,10 @@ int64_t sample_row(const T* logits, int64_t vocab, const RowParams& p, Scratch& 
     top = qb::max_of(top, y[i]);
   }
   non_finite = !(poison == 0.f);
-  if (p.repeated > 0 || p.outputs > 0 || p.suppressed > 0) {  // -inf here is a suppressed token: the row still samples
-    for (int64_t j = 0; j < p.repeated; ++j) {
-      const float x = qb::to_f32(logits[p.repeated_ids[j]]);
-      y[p.repeated_ids[j]] = (x > 0.f ? x / p.repetition : x * p.repetition) / temperature;
+  if (p.prompts > 0 || p.outputs > 0 || p.suppressed > 0) {  // -inf here is a suppressed token: the row still samples
+    for (int64_t j = 0; j < p.prompts; ++j) {
+      const float x = qb::to_f32(logits[p.prompt_ids[j]]);
+      y[p.prompt_ids[j]] = (x > 0.f ? x / p.repetition : x * p.repetition) / temperature;
     }
     penalise_output(logits, p, temperature, s.ids, y);
     for (int64_t j = 0; j < p.suppressed; ++j) y[p.suppressed_ids[j]] = kNegInf;
@@ -262,13 +274,7 @@ int64_t sample_row(const T* logits, int64_t vocab, const RowParams& p, Scratch& 
   if (p.top_k > 0 && p.top_k <= kSmallTopK && p.top_k < vocab) {
     // A small top-k: its k best only, and their weights; top-p cuts them by their own mass.
     rank_best(y, vocab, p.top_k, top, s.ranked);
-    size_t kept = s.ranked.size();
-    if (p.top_p < 1.f) {
-      double mass = 0.0;
-      for (const Ranked& r : s.ranked) mass += r.w;
-      kept = top_p_keeps(s.ranked, 0.0, p.top_p * mass);
-    }
-    return draw_from_ranked(s.ranked, kept, p);
+    return draw_from_ranked(s.ranked, top_p_of_top_k(s.ranked, p.top_p), p);
   }
   const bool top_p_alone = p.top_p < 1.f && !(p.top_k > 0 && p.top_k < vocab);
   double row_mass = 0.0;  // every token's weight summed: top-p alone
@@ -278,10 +284,8 @@ int64_t sample_row(const T* logits, int64_t vocab, const RowParams& p, Scratch& 
     // reaches top_p of the row's, the cut falls among them and the other tokens are never looked at.
     row_mass = weigh(y, w, vocab, top);
     rank_best(y, vocab, kNucleusCandidates, top, s.ranked);
-    double mass = 0.0;
-    for (const Ranked& r : s.ranked) mass += r.w;
     const double target = p.top_p * row_mass;
-    if (mass >= target) return draw_from_ranked(s.ranked, top_p_keeps(s.ranked, 0.0, target), p);
+    if (mass_of(s.ranked) >= target) return draw_from_ranked(s.ranked, top_p_keeps(s.ranked, 0.0, target), p);
   } else {
 #pragma omp simd
     for (int64_t i = 0; i < vocab; ++i) w[i] = y[i] == kNegInf ? 0.f : qb::vec_exp(y[i] - top);
@@ -294,13 +298,7 @@ int64_t sample_row(const T* logits, int64_t vocab, const RowParams& p, Scratch& 
                                   [&](int64_t count) { return count >= p.top_k; }, above);
     rank_buckets(y, w, vocab, bucket, kBuckets - 1, s.ranked);
     s.ranked.resize(std::min<size_t>(s.ranked.size(), p.top_k));
-    size_t kept = s.ranked.size();
-    if (p.top_p < 1.f) {
-      double mass = 0.0;
-      for (const Ranked& r : s.ranked) mass += r.w;
-      kept = top_p_keeps(s.ranked, 0.0, p.top_p * mass);
-    }
-    keep_only(w, vocab, std::numeric_limits<float>::infinity(), s.ranked, kept);
+    keep_only(w, vocab, std::numeric_limits<float>::infinity(), s.ranked, top_p_of_top_k(s.ranked, p.top_p));
   } else if (top_p_alone) {
     // The cut falls in the highest bucket whose mass, with all above it, reaches top_p of the total: the buckets
     // above it are kept whole, its tokens ranked, those below dropped.
@@ -348,17 +346,17 @@ int64_t sample_row(const T* logits, int64_t vocab, const RowParams& p, Scratch& 
   return last_kept;  // u * total past the sum by rounding: the last kept token
 }
 
-// Every row's settings and penalties: row r's repeated ids are repeated_ids [repeated_starts[r],
-// repeated_starts[r + 1]), and its output and suppressed ids the same way.
+// Every row's settings and penalties: row r's prompt ids are prompt_ids [prompt_starts[r],
+// prompt_starts[r + 1]), and its output and suppressed ids the same way.
 struct Settings {
   const float *temperature, *top_p, *min_p, *repetition;
   const double *presence, *frequency;
   const int64_t* top_k;
   const double* uniform;
-  const int64_t *repeated_starts, *repeated_ids, *output_starts, *output_ids, *suppressed_starts, *suppressed_ids;
+  const int64_t *prompt_starts, *prompt_ids, *output_starts, *output_ids, *suppressed_starts, *suppressed_ids;
 
   RowParams row(int64_t r) const {
-    const int64_t repeated = repeated_starts[r], output = output_starts[r], suppressed = suppressed_starts[r];
+    const int64_t prompt = prompt_starts[r], output = output_starts[r], suppressed = suppressed_starts[r];
     return {temperature[r],
             top_p[r],
             min_p[r],
@@ -367,8 +365,8 @@ struct Settings {
             repetition[r],
             presence[r],
             frequency[r],
-            repeated_ids + repeated,
-            repeated_starts[r + 1] - repeated,
+            prompt_ids + prompt,
+            prompt_starts[r + 1] - prompt,
             output_ids + output,
             output_starts[r + 1] - output,
             suppressed_ids + suppressed,
@@ -407,14 +405,14 @@ void check_rows_of_ids(const torch::Tensor& starts, const torch::Tensor& ids, in
 
 // logits: [R, vocab] float32, bfloat16 or float16; temperature (>= 0; 0: the argmax), top_p, min_p, repetition:
 // float32 [R]; presence, frequency: float64 [R]; top_k: int64 [R] (0: off); uniform: float64 [R] in [0, 1);
-// repeated_starts / repeated_ids, output_starts / output_ids and suppressed_starts / suppressed_ids (int64): the
+// prompt_starts / prompt_ids, output_starts / output_ids and suppressed_starts / suppressed_ids (int64): the
 // penalties' ids, cut into rows as RowPenalties says. Returns each row's token (int64 [R]) and whether the row held
 // an inf or a NaN (bool [R]).
 std::tuple<torch::Tensor, torch::Tensor> sample_tokens(
     const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
     const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& uniform,
     const torch::Tensor& repetition, const torch::Tensor& presence, const torch::Tensor& frequency,
-    const torch::Tensor& repeated_starts, const torch::Tensor& repeated_ids, const torch::Tensor& output_starts,
+    const torch::Tensor& prompt_starts, const torch::Tensor& prompt_ids, const torch::Tensor& output_starts,
     const torch::Tensor& output_ids, const torch::Tensor& suppressed_starts, const torch::Tensor& suppressed_ids) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "sample_tokens: logits must be [rows, vocab]");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
@@ -429,7 +427,7 @@ std::tuple<torch::Tensor, torch::Tensor> sample_tokens(
                       rp = check(repetition, torch::kFloat32, "repetition"),
                       pp = check(presence, torch::kFloat64, "presence"),
                       fp = check(frequency, torch::kFloat64, "frequency");
-  check_rows_of_ids(repeated_starts, repeated_ids, rows, vocab, "repeated_ids");
+  check_rows_of_ids(prompt_starts, prompt_ids, rows, vocab, "prompt_ids");
   check_rows_of_ids(output_starts, output_ids, rows, vocab, "output_ids");
   check_rows_of_ids(suppressed_starts, suppressed_ids, rows, vocab, "suppressed_ids");
   const Settings settings{t.data_ptr<float>(),
@@ -440,8 +438,8 @@ std::tuple<torch::Tensor, torch::Tensor> sample_tokens(
                           fp.data_ptr<double>(),
                           k.data_ptr<int64_t>(),
                           u.data_ptr<double>(),
-                          repeated_starts.data_ptr<int64_t>(),
-                          repeated_ids.data_ptr<int64_t>(),
+                          prompt_starts.data_ptr<int64_t>(),
+                          prompt_ids.data_ptr<int64_t>(),
                           output_starts.data_ptr<int64_t>(),
                           output_ids.data_ptr<int64_t>(),
                           suppressed_starts.data_ptr<int64_t>(),
