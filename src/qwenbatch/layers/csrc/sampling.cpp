@@ -39,8 +39,12 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kBucketShift = 20;
 constexpr int kBuckets = 1 << (32 - kBucketShift);
 constexpr int kTopBucket = 0x3F800000 >> kBucketShift;  // 1.0f's: the best token's weight
-// The draw's blocks: each block's kept weight summed (float32, vectorized), then the block the draw falls in searched.
+// rank_buckets compares blocks of this many weights with the buckets' bounds as vectors.
 constexpr int64_t kBlock = 256;
+// The draw's blocks: each block's kept weight summed (float32, vectorized), then the block the draw falls in searched.
+// GCC adds the lanes of each block's vector sum one after another at its end: at 256 values a block, a quarter of a
+// temperature-only row's time (BENCHMARKS.md, "Temperature-only rows in two passes").
+constexpr int64_t kDrawBlock = 1024;
 // A top-k up to this many is found by qb::select_top_k (its cost grows with k), a larger one by bisection.
 constexpr int64_t kSmallTopK = 64;
 // Top-p alone first ranks this many of the best tokens, and cuts the rest by bisection only where their mass falls
@@ -122,7 +126,7 @@ struct Scratch {
   std::vector<Ranked> ranked;
   std::vector<int64_t> ids;
 
-  explicit Scratch(int64_t vocab) : y(vocab), w(vocab), block_mass((vocab + kBlock - 1) / kBlock) {}
+  explicit Scratch(int64_t vocab) : y(vocab), w(vocab), block_mass((vocab + kDrawBlock - 1) / kDrawBlock) {}
 };
 
 // How many of `ranked` (sorted by ranks_before) top-p keeps: a token is dropped, and all after it, once the mass
@@ -242,10 +246,82 @@ void penalise_output(const T* logits, const RowParams& p, float temperature, std
   }
 }
 
+// Stores w[i] = weight(i) for every token and each block of kDrawBlock weights' sum in block_mass; their total.
+template <typename F>
+__attribute__((always_inline)) inline double store_and_sum_blocks(float* w, int64_t vocab, double* block_mass,
+                                                                  F weight) {
+  double total = 0.0;
+  for (int64_t b = 0, begin = 0; begin < vocab; ++b, begin += kDrawBlock) {
+    const int64_t end = std::min(vocab, begin + kDrawBlock);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = begin; i < end; ++i) sum += w[i] = weight(i);
+    block_mass[b] = sum;
+    total += sum;
+  }
+  return total;
+}
+
+// The first id, in vocabulary order, whose weights w up to and including it exceed u times their total: the block
+// whose running total passes it, then the token in it. block_mass holds each block of kDrawBlock weights' sum.
+int64_t draw_by_blocks(const float* w, int64_t vocab, const double* block_mass, double total, double u) {
+  if (!(total > 0.0)) return 0;
+  const int64_t blocks = (vocab + kDrawBlock - 1) / kDrawBlock;
+  const double target = u * total;
+  double running = 0.0;
+  int64_t last_kept = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (running + block_mass[b] <= target && b + 1 < blocks) {
+      running += block_mass[b];
+      continue;
+    }
+    const int64_t begin = b * kDrawBlock, end = std::min(vocab, begin + kDrawBlock);
+    for (int64_t i = begin; i < end; ++i) {
+      if (w[i] <= 0.f) continue;
+      last_kept = i;
+      running += w[i];
+      if (running > target) return i;
+    }
+  }
+  return last_kept;  // u * total past the sum by rounding: the last kept token
+}
+
+// Whether temperature (and min-p) alone shape the row: no penalty, top-k or top-p, and a temperature above 0.
+bool shaped_by_temperature_alone(const RowParams& p, int64_t vocab) {
+  return p.temperature > 0.f && p.prompts == 0 && p.outputs == 0 && p.suppressed == 0 && p.top_p >= 1.f &&
+         !(p.top_k > 0 && p.top_k < vocab);
+}
+
+// A row that temperature and min-p alone shape, in two passes: the largest logit, then each token's weight
+// exp((x - top) / temperature) cut by min-p and summed by blocks. Nothing is ranked, so no scaled logit is kept, and
+// the weight multiplies by 1 / temperature where the general path divides each logit (the division alone took 11% of
+// a 64-row call): a weight may differ from the PyTorch path's in its last bit, as vec_exp's already do.
+template <typename T>
+int64_t sample_by_temperature(const T* logits, int64_t vocab, const RowParams& p, Scratch& s, bool& non_finite) {
+  float top = kNegInf, poison = 0.f;  // poison: NaN where a logit is an inf or a NaN (inf * 0)
+#pragma omp simd reduction(max : top) reduction(+ : poison)
+  for (int64_t i = 0; i < vocab; ++i) {
+    const float x = qb::to_f32(logits[i]);
+    poison += x * 0.f;
+    top = qb::max_of(top, x);
+  }
+  non_finite = !(poison == 0.f);
+  if (!std::isfinite(top)) return 0;  // an inf, or every logit -inf
+  float* w = s.w.data();
+  const float scale = 1.f / p.temperature, min_w = p.min_p;
+  const double total = store_and_sum_blocks(w, vocab, s.block_mass.data(), [&](int64_t i) {
+    const float x = qb::to_f32(logits[i]);
+    const float weight = x == kNegInf ? 0.f : qb::vec_exp((x - top) * scale);
+    return weight >= min_w ? weight : 0.f;
+  });
+  return draw_by_blocks(w, vocab, s.block_mass.data(), total, p.u);
+}
+
 // Row `logits` (any float dtype) sampled as the file's header says; `non_finite` set where the row itself (not its
 // penalties) holds an inf or a NaN.
 template <typename T>
 int64_t sample_row(const T* logits, int64_t vocab, const RowParams& p, Scratch& s, bool& non_finite) {
+  if (shaped_by_temperature_alone(p, vocab)) return sample_by_temperature(logits, vocab, p, s, non_finite);
   float* y = s.y.data();
   float* w = s.w.data();
   float top = kNegInf, poison = 0.f;  // poison: NaN where a logit is an inf or a NaN (inf * 0)
@@ -310,40 +386,12 @@ int64_t sample_row(const T* logits, int64_t vocab, const RowParams& p, Scratch& 
     keep_only(w, vocab, bucket_end(bucket), s.ranked, top_p_keeps(s.ranked, above, target));
   }
 
-  // min-p (the best token's weight is exp(0) = 1); the kept weights summed in blocks; then the block whose running
-  // total passes u times the total, and in it the token.
+  // min-p (the best token's weight is exp(0) = 1); the kept weights summed in blocks; then the draw.
   const float min_w = p.min_p;
-  const int64_t blocks = (vocab + kBlock - 1) / kBlock;
-  double total = 0.0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t begin = b * kBlock, end = std::min(vocab, begin + kBlock);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = begin; i < end; ++i) {
-      w[i] = w[i] >= min_w ? w[i] : 0.f;
-      sum += w[i];
-    }
-    s.block_mass[b] = sum;
-    total += sum;
-  }
-  if (!(total > 0.0)) return 0;
-  const double target = p.u * total;
-  double running = 0.0;
-  int64_t last_kept = 0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    if (running + s.block_mass[b] <= target && b + 1 < blocks) {
-      running += s.block_mass[b];
-      continue;
-    }
-    const int64_t begin = b * kBlock, end = std::min(vocab, begin + kBlock);
-    for (int64_t i = begin; i < end; ++i) {
-      if (w[i] <= 0.f) continue;
-      last_kept = i;
-      running += w[i];
-      if (running > target) return i;
-    }
-  }
-  return last_kept;  // u * total past the sum by rounding: the last kept token
+  const double total = store_and_sum_blocks(w, vocab, s.block_mass.data(), [&](int64_t i) {
+    return w[i] >= min_w ? w[i] : 0.f;
+  });
+  return draw_by_blocks(w, vocab, s.block_mass.data(), total, p.u);
 }
 
 // Every row's settings and penalties: row r's prompt ids are prompt_ids [prompt_starts[r],
