@@ -3,12 +3,16 @@
 // (x read in place, weights in 1 KB B tiles). BENCHMARKS.md, "Decode attention on AMX tiles" has the figures.
 // `overlap` asks whether a core streams memory while its tile products run: the stream alone, the products alone
 // (ROWS / 16 a KB, on tiles loaded once) and the two interleaved; BENCHMARKS.md, "Side by side in fresh
-// processes", has the figures. Never run by CI.
+// processes", has the figures. `gemm` times a many-row bf16 matmul of our own on the tiles (2 x 2 tiles of 16 x 16
+// a step, K in blocks whose weight panel stays in L2), its operands from memory as a matmul reads them, the x tiles
+// from one L1 buffer (`x-l1`), both from L1 (`l1`) or no loads at all (`none`); BENCHMARKS.md, "Temperature-only
+// rows in two passes; an AMX matmul of our own", has the figures. Never run by CI.
 //
 //   g++ -O2 -march=native -fopenmp benchmarks/amx_tile_stream.cpp -o /tmp/amx_tile_stream
 //   OMP_NUM_THREADS=2 /tmp/amx_tile_stream stream|tiles2|tiles4 [prefetch bytes ahead]
 //   OMP_NUM_THREADS=2 /tmp/amx_tile_stream linear ROWS [prefetch bytes ahead]
 //   OMP_NUM_THREADS=1 /tmp/amx_tile_stream overlap ROWS
+//   OMP_NUM_THREADS=2 /tmp/amx_tile_stream gemm M N K K_BLOCK [memory|x-l1|l1|none]
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/syscall.h>
@@ -157,14 +161,102 @@ void linear(const uint16_t* x, const uint16_t* tiles, float* y, int M, int N, in
   }
 }
 
+
+enum class Operands { kMemory, kXFromL1, kFromL1, kNone };
+
+// y[M, N] = x[M, K] . W^T in float32, M a multiple of 32 split between the threads, N of 32, K of kb (K_BLOCK, a
+// multiple of 32). W is packed as [K / kb][N / 16][kb / 32] B tiles of 1 KB; each step takes 2 A tiles of x (32 rows,
+// read in place) and 2 B tiles into 4 accumulators, stored to y (and loaded back for the next K block).
+void gemm(const uint16_t* x, const uint16_t* packed, float* y, int M, int N, int K, int kb, Operands operands) {
+#pragma omp parallel
+  {
+    static const TileConfig config;  // static: built at compile time (GCC 12 dropped stores to a stack copy)
+    _tile_loadconfig(&config);
+    alignas(64) static thread_local uint16_t l1[1024];
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads(), pairs = M / 32;
+    const int r0 = pairs * t / nt * 32, r1 = pairs * (t + 1) / nt * 32, columns = N / 16, steps = kb / 32;
+    const bool load_x = operands != Operands::kNone, x_in_place = operands == Operands::kMemory;
+    const bool load_w = operands != Operands::kNone, w_in_place = operands == Operands::kMemory ||
+                                                                  operands == Operands::kXFromL1;
+    for (int k0 = 0; k0 < K; k0 += kb)
+      for (int r = r0; r < r1; r += 32)
+        for (int c = 0; c < columns; c += 2) {
+          float* out = y + static_cast<size_t>(r) * N + c * 16;
+          if (k0 == 0) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+          } else {
+            _tile_loadd(0, out, N * 4);
+            _tile_loadd(1, out + 16 * N, N * 4);
+            _tile_loadd(2, out + 16, N * 4);
+            _tile_loadd(3, out + 16 * N + 16, N * 4);
+          }
+          const uint16_t* b0 = packed + (static_cast<size_t>(k0 / kb * columns + c) * steps) * 512;
+          const uint16_t* b1 = b0 + static_cast<size_t>(steps) * 512;
+          const uint16_t* a = x + static_cast<size_t>(r) * K + k0;
+          for (int s = 0; s < steps; ++s) {
+            if (load_x) _tile_loadd(4, x_in_place ? a + s * 32 : l1, x_in_place ? K * 2 : 64);
+            if (load_w) _tile_loadd(6, w_in_place ? b0 + s * 512 : l1, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (load_x) _tile_loadd(5, x_in_place ? a + 16 * K + s * 32 : l1 + 512, x_in_place ? K * 2 : 64);
+            _tile_dpbf16ps(1, 5, 6);
+            if (load_w) _tile_loadd(7, w_in_place ? b1 + s * 512 : l1 + 512, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+          _tile_stored(0, out, N * 4);
+          _tile_stored(1, out + 16 * N, N * 4);
+          _tile_stored(2, out + 16, N * 4);
+          _tile_stored(3, out + 16 * N + 16, N * 4);
+        }
+    _tile_release();
+  }
+}
+
+int gemm_main(int argc, char** argv) {
+  if (argc < 6) {
+    std::fprintf(stderr, "usage: %s gemm M N K K_BLOCK [memory|x-l1|l1|none]\n", argv[0]);
+    return 1;
+  }
+  const int M = std::atoi(argv[2]), N = std::atoi(argv[3]), K = std::atoi(argv[4]), kb = std::atoi(argv[5]);
+  const std::string which = argc > 6 ? argv[6] : "memory";
+  const Operands operands = which == "none" ? Operands::kNone : which == "l1" ? Operands::kFromL1
+                            : which == "x-l1" ? Operands::kXFromL1 : Operands::kMemory;
+  std::vector<uint16_t> x(static_cast<size_t>(M) * K), w(static_cast<size_t>(N) * K), packed(w.size());
+  std::vector<float> y(static_cast<size_t>(M) * N);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<uint16_t>(0x3f80 + i % 7);  // bf16 1.0 and a little more
+  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<uint16_t>(0x3c00 + i % 5);
+  const int columns = N / 16, steps = kb / 32;
+  for (int k0 = 0; k0 < K; k0 += kb)
+    for (int c = 0; c < columns; ++c)
+      for (int s = 0; s < steps; ++s)
+        for (int pair = 0; pair < 16; ++pair)
+          for (int n = 0; n < 16; ++n)
+            for (int e = 0; e < 2; ++e)
+              packed[((static_cast<size_t>(k0 / kb * columns + c) * steps + s) * 16 + pair) * 32 + n * 2 + e] =
+                  w[static_cast<size_t>(c * 16 + n) * K + k0 + s * 32 + 2 * pair + e];
+  double best = 1e9;
+  for (int rep = 0; rep < 20; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    gemm(x.data(), packed.data(), y.data(), M, N, K, kb, operands);
+    best = std::min(best, seconds_since(t0));
+  }
+  std::printf("gemm %d x %d x %d, K blocks of %d, operands %s: %.3f ms, %.0f GFLOP/s\n", M, N, K, kb, which.c_str(),
+              best * 1e3, 2.0 * M * N * K / best / 1e9);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 2 || syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) {
-    std::fprintf(stderr, "usage: %s stream|tiles2|tiles4|linear|overlap [ROWS] [ahead]; needs AMX\n", argv[0]);
+    std::fprintf(stderr, "usage: %s stream|tiles2|tiles4|linear|overlap|gemm [ROWS] [ahead]; needs AMX\n", argv[0]);
     return 1;
   }
   const std::string mode = argv[1];
+  if (mode == "gemm") return gemm_main(argc, argv);
   if (mode == "overlap") {
     const int products = (argc > 2 ? std::atoi(argv[2]) : 64) / 16;
     const size_t bytes = size_t{1} << 30;

@@ -11,6 +11,12 @@ keeps ~200 tokens) and "model", the default model's own logits from its decode s
 temperature 0.7, top-p 0.9 keeps 1 token at the median, at most ~30), which decide how far the top-p cut reaches.
 
     .venv/bin/python benchmarks/sampling_speed.py --rows 1,64,256 --logits random,model --num-prompts 64 --runs 3
+
+Two versions side by side: run the kernels alone for a few settings, each cell timed for some seconds, in turn from
+two checkouts (PYTHONPATH=<checkout>/src), e.g.
+
+    .venv/bin/python benchmarks/sampling_speed.py --rows 64 --logits random --kernel-only --seconds 2 --runs 0 \\
+        --settings "temperature 0.7;min-p 0.05;top-p 0.9;Qwen's generation config;presence 0.5"
 """
 
 from __future__ import annotations
@@ -42,10 +48,16 @@ KERNELS = SamplerKernels(greedy_tokens, sample_tokens, top_logprobs)
 TORCH_PATH = SamplerKernels(greedy_tokens)  # the engine's sampler before the sample and logprobs kernels
 
 
-def median_ms(fn, repeats: int = 5) -> float:
+def median_ms(fn, repeats: int = 5, seconds: float = 0.0) -> float:
+    """The median of ``repeats`` calls after a warm-up, or of as many as ``seconds`` hold where given."""
     fn()
     times = []
-    for _ in range(repeats):
+    deadline = time.perf_counter() + seconds
+
+    def more() -> bool:
+        return time.perf_counter() < deadline if seconds else len(times) < repeats
+
+    while more():
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
@@ -69,7 +81,11 @@ def model_logits(count: int) -> torch.Tensor:
     return rows.repeat(-(-count // len(rows)), 1)[:count].contiguous()
 
 
-def sampler_alone(rows: list[int], kinds: list[str]) -> None:
+def sampler_alone(
+    rows: list[int], kinds: list[str], settings: list[str], seconds: float = 0.0, kernel_only: bool = False
+) -> None:
+    """A table of ms a call of the PyTorch path (unless ``kernel_only``) and of the kernels, for each kind of logits,
+    row count and setting; the kernels' cells timed for ``seconds`` each where given."""
     print("| logits | rows | setting | PyTorch path ms | kernel ms | speed-up |\n| --- | --- | --- | --- | --- | --- |")
     rng = random.Random(0)
     from_model = model_logits(max(rows)) if "model" in kinds else None
@@ -79,13 +95,16 @@ def sampler_alone(rows: list[int], kinds: list[str]) -> None:
         else:
             logits = (torch.randn(count, 151_936, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
         histories = [[rng.randrange(151_936) for _ in range(256 + 32)] for _ in range(count)]
-        for name, kwargs in SETTINGS.items():
+        for name in settings:
             params = [
-                SamplingRow(SamplingParams(**kwargs), h[256:], torch.tensor(sorted(set(h[:256]))), None, ())
+                SamplingRow(SamplingParams(**SETTINGS[name]), h[256:], torch.tensor(sorted(set(h[:256]))), None, ())
                 for h in histories
             ]
+            after = median_ms(lambda x=logits, params=params: sample(x, params, KERNELS), seconds=seconds)
+            if kernel_only:
+                print(f"| {kind} | {count} | {name} | - | {after:.2f} | - |", flush=True)
+                continue
             before = median_ms(lambda x=logits, params=params: sample(x, params, TORCH_PATH))
-            after = median_ms(lambda x=logits, params=params: sample(x, params, KERNELS))
             print(f"| {kind} | {count} | {name} | {before:.2f} | {after:.2f} | {before / after:.1f}x |", flush=True)
 
 
@@ -124,9 +143,16 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--settings", default=";".join(SETTINGS), help="sampler alone: settings, separated by ';'")
+    parser.add_argument("--seconds", type=float, default=0.0, help="sampler alone: time each kernel cell this long")
+    parser.add_argument("--kernel-only", action="store_true", help="sampler alone: skip the PyTorch path")
     parser.add_argument("--runs", type=int, default=3, help="end to end: runs of each cell (0: skip)")
     args = parser.parse_args()
-    sampler_alone([int(r) for r in args.rows.split(",")], args.logits.split(","))
+    settings = [name.strip() for name in args.settings.split(";") if name.strip()]
+    if unknown := [name for name in settings if name not in SETTINGS]:
+        parser.error(f"unknown settings {unknown}; known: {'; '.join(SETTINGS)}")
+    rows = [int(r) for r in args.rows.split(",")]
+    sampler_alone(rows, args.logits.split(","), settings, args.seconds, args.kernel_only)
     if args.runs:
         end_to_end(args.num_prompts, args.input_len, args.output_len, args.runs)
 
