@@ -12,6 +12,8 @@
 // - the draw is the first id, in vocabulary order, whose kept weights up to and including it exceed u times
 //   their total;
 // - at temperature 0, the first id holding the largest logit (as argmax).
+// A row that temperature and min-p alone shape ranks nothing: its weights are exp((logit - largest) / temperature)
+// in two passes, multiplied by 1 / temperature rather than divided (sample_by_temperature).
 // The cuts come from buckets of the weights by their float bits (monotone in the weight): the bucket a cut falls in
 // is found by bisection, each step counting (top-k) or summing (top-p) the weights at or above a bucket in one
 // vector pass, so that only the buckets at and above the cut (top-k) or the one bucket it falls in (top-p) are
