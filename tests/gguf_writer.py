@@ -39,9 +39,12 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{index}.{_HF_TO_GGUF_LAYER[rest]}"
 
 
-def write_gguf(checkpoint: Path, out: Path, quantize: bool = True, qtype: str = "Q8_0") -> dict[str, np.ndarray]:
-    """Write ``checkpoint`` as ``out``; 2-D weights as ``qtype`` when ``quantize``. Returns the HF-named
-    float32 values a faithful reader must recover (the dequantized ones)."""
+def write_gguf(
+    checkpoint: Path, out: Path, quantize: bool = True, qtype: str = "Q8_0", sampling: dict | None = None
+) -> dict[str, np.ndarray]:
+    """Write ``checkpoint`` as ``out``; 2-D weights as ``qtype`` when ``quantize``; ``sampling``: values for the
+    writer's ``add_sampling_<name>`` (temp, top_k, ...), as llama.cpp's converter records a generation config.
+    Returns the HF-named float32 values a faithful reader must recover (the dequantized ones)."""
     cfg = json.loads((checkpoint / "config.json").read_text())
     arch = cfg["model_type"]
     tok = json.loads((checkpoint / "tokenizer.json").read_text())
@@ -84,6 +87,8 @@ def write_gguf(checkpoint: Path, out: Path, quantize: bool = True, qtype: str = 
     w.add_pad_token_id(cfg["pad_token_id"])
     w.add_add_bos_token(False)
     w.add_chat_template((checkpoint / "chat_template.jinja").read_text())
+    for name, value in (sampling or {}).items():
+        getattr(w, f"add_sampling_{name}")(value)
 
     expected = {}
     for name, value in load_file(str(checkpoint / "model.safetensors")).items():

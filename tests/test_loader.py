@@ -93,6 +93,15 @@ def test_gguf_file_is_converted_once_and_reused(tiny_gguf, tmp_path, monkeypatch
     assert calls == []
 
 
+def test_gguf_sampling_values_become_the_converted_generation_config(tiny_qwen3, tmp_path, monkeypatch):
+    # llama.cpp's converter records a model's generation config as general.sampling.* (Qwen3's values here)
+    path = tmp_path / "sampling.gguf"
+    write_gguf(tiny_qwen3, path, sampling={"temp": 0.6, "top_k": 20, "top_p": 0.95})
+    monkeypatch.setenv("QWENBATCH_CACHE", str(tmp_path / "cache"))
+    llm = LLM(model=str(path), dtype="float32", kv_cache_memory=8 * 2**20)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.6, top_p=0.95, top_k=20)
+
+
 # -- errors that name the file and the field ------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import shutil
@@ -19,6 +20,8 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("none", "int8")
 CPU_KERNELS = ("auto", "on", "off")
+# The sampling values --override-generation-config may set (SamplingParams' names, and Hugging Face's max_new_tokens).
+OVERRIDABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "max_new_tokens")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -67,6 +70,19 @@ def batch_defaults(device: torch.device) -> tuple[int, int]:
     return 256, 8192
 
 
+def parse_generation_overrides(text: str | None) -> dict[str, float | int]:
+    """'{"temperature": 0.5}' -> {"temperature": 0.5}; ValueError unless a JSON object of OVERRIDABLE keys."""
+    if text is None:
+        return {}
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"override_generation_config must be a JSON object: {e}") from e
+    if not isinstance(values, dict) or set(values) - set(OVERRIDABLE):
+        raise ValueError(f"override_generation_config must be a JSON object of {', '.join(OVERRIDABLE)}, got {text!r}")
+    return values
+
+
 KV_CACHE_MEMORY = Form(parse_kv_cache_memory, "a size in bytes such as 4GiB, or a fraction in (0, 1)", FLOAT.accepts)
 
 
@@ -107,6 +123,11 @@ class EngineConfig:
     # "rerank": score query-document pairs (Qwen3-Reranker); "auto": rerank when the model's name says so.
     task: str = "auto"
     tokenizer: str | None = None  # a tokenizer folder ("default": the default model's), e.g. for dummy weights
+    # Sampling values a request leaves unset (vLLM's flags): "auto" takes the model's generation_config.json,
+    # "vllm" OpenAI's defaults, a folder its generation_config.json (models/generation_config.py) ...
+    generation_config: str = "auto"
+    # ... and this JSON object's values over them, e.g. '{"temperature": 0.5}'.
+    override_generation_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -149,6 +170,12 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be a byte count or a fraction in (0, 1), got {kv!r}")
         if isinstance(kv, float) and self.resolved_device.type == "cuda":
             raise ValueError("on CUDA, size the KV cache with gpu_memory_utilization (or kv_cache_memory in bytes)")
+        parse_generation_overrides(self.override_generation_config)  # refused before anything loads
+
+    @property
+    def generation_overrides(self) -> dict[str, float | int]:
+        """``override_generation_config`` as a dict."""
+        return parse_generation_overrides(self.override_generation_config)
 
     @property
     def resolved_task(self) -> str:

@@ -39,6 +39,12 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` sample with when given no SamplingParams (vLLM's method): the model's
+        generation config (``--generation-config``), else OpenAI's defaults, and 16 tokens unless it sets
+        ``max_new_tokens``."""
+        return self.engine.sampling_defaults.params()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -50,7 +56,7 @@ class LLM:
         one_token_list = isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
         if isinstance(prompts, str | Mapping) or one_token_list:
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         results: dict[int, RequestOutput] = {}
         for index, output in self.generate_iter(prompts, params, use_tqdm=use_tqdm, total=len(prompts)):
             results[index] = output

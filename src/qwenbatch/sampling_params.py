@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 # Every generated token is checked against every stop string and stop id, so one request's thousands of
 # them would slow every request sharing its steps. OpenAI allows 4 stop strings; we take up to these.
@@ -105,3 +105,40 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """True when the sampler must look at the tokens generated so far."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+# The sampling knobs a model's generation config may set (and max_tokens), as SamplingParams names them.
+KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request takes for the sampling values it leaves unset: OpenAI's defaults, or those the model's
+    creator recommends in its ``generation_config.json`` (vLLM's ``--generation-config auto``; see
+    ``models/generation_config.py``). ``max_tokens`` None: no default length."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        self.params()  # a ValueError naming the first invalid value
+
+    def params(self, **values) -> SamplingParams:
+        """SamplingParams of ``values``, the sampling knobs missing or None in them taken from these defaults, and
+        ``max_tokens`` where it is missing (vLLM's ``get_default_sampling_params``: SamplingParams' own 16 if there
+        is no default length). A None ``max_tokens`` stays None: the engine then takes the default length, or
+        what the context has room for if that is less (``InputProcessor.make_request``)."""
+        for name in KNOBS:
+            if values.get(name) is None:
+                values[name] = getattr(self, name)
+        if "max_tokens" not in values and self.max_tokens is not None:
+            values["max_tokens"] = self.max_tokens
+        return SamplingParams(**values)
+
+    def changed(self) -> dict[str, float | int]:
+        """The values that differ from OpenAI's defaults (for the log and GET /config)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}

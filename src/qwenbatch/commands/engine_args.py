@@ -115,6 +115,18 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
         help="rerank: score query-document pairs (Qwen3-Reranker); auto: rerank when the model name says reranker",
     )
     g.add_argument("--tokenizer", default=None, help="tokenizer folder or 'default' (for dummy weights)")
+    g.add_argument(
+        "--generation-config",
+        default=None,
+        help="sampling values for what a request leaves unset: 'auto' (default) the model's generation_config.json "
+        "(Qwen2.5-Instruct: temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05), 'vllm' OpenAI's "
+        "defaults, or a folder holding a generation_config.json",
+    )
+    g.add_argument(
+        "--override-generation-config",
+        default=None,
+        help="a JSON object of sampling values over those, e.g. '{\"temperature\": 0.5}'",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

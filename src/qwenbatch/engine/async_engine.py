@@ -49,6 +49,8 @@ class EngineSnapshot:
     linear_kernels: str
     prefill_attention: str
     decode_attention: str
+    # What a request's unset sampling values become (OpenAI's, or the model's generation config's).
+    default_sampling_params: dict
 
     def as_dict(self) -> dict:
         values = dataclasses.asdict(self.config)
@@ -60,6 +62,7 @@ class EngineSnapshot:
             linear_kernels=self.linear_kernels,
             prefill_attention=self.prefill_attention,
             decode_attention=self.decode_attention,
+            default_sampling_params=self.default_sampling_params,
         )
         return values
 
@@ -330,6 +333,7 @@ class AsyncEngine:
             engine.runner.linear_kernels,
             engine.runner.prefill_attention,
             engine.runner.decode_attention,
+            dataclasses.asdict(engine.sampling_defaults),
         )
 
     def _publish_stats(self) -> None:

@@ -18,7 +18,7 @@ from qwenbatch.engine.request import EngineRequest, SampleState
 from qwenbatch.engine.sequence import Sequence
 from qwenbatch.inputs import PromptType, parse_prompt
 from qwenbatch.rerank import RerankFormatter
-from qwenbatch.sampling_params import SamplingParams
+from qwenbatch.sampling_params import SamplingDefaults, SamplingParams
 from qwenbatch.tokenizer import IncrementalDetokenizer, Tokenizer
 
 NOT_A_RERANKER = "this model does not score pairs: serve a Qwen3-Reranker, or pass --task rerank"
@@ -43,8 +43,11 @@ class InputProcessor:
         vocab_size: int,
         max_model_len: int,
         rerank_formatter: RerankFormatter | None = None,
+        sampling_defaults: SamplingDefaults | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # What a request's unset sampling values are: OpenAI's, or the model's generation config's.
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self._rerank_formatter = rerank_formatter
@@ -100,7 +103,10 @@ class InputProcessor:
                 "which leaves no room to generate"
             )
         room = self.max_model_len - n_prompt
-        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if params.max_tokens is None:  # unset: the default length, where the context has room for it
+            max_tokens = min(room, self.sampling_defaults.max_tokens or room)
+        else:
+            max_tokens = params.max_tokens
         if max_tokens > room:
             raise ValueError(
                 f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds max_model_len ({self.max_model_len})"

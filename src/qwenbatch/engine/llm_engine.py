@@ -27,6 +27,7 @@ from qwenbatch.layers.host_allocator import cache_step_buffers, return_cached_bu
 from qwenbatch.layers.sampler import NO_PROMPT_IDS, SamplingRow
 from qwenbatch.loader import load_model, resolve_model_dir
 from qwenbatch.loader.kernels import prepare_kernels
+from qwenbatch.models.generation_config import sampling_defaults
 from qwenbatch.outputs import RequestOutput
 from qwenbatch.rerank import DEFAULT_MAX_LENGTH, RerankFormatter, score_token_ids
 from qwenbatch.sampling_params import SamplingParams
@@ -59,6 +60,13 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         loaded = load_model(config.model, config.load_format, self.dtype, device, config.seed)
         self.model_config = loaded.config
+        self.sampling_defaults = sampling_defaults(config.generation_config, loaded.folder, config.generation_overrides)
+        if self.sampling_defaults.changed():
+            logger.info(
+                "sampling defaults for what a request leaves unset: %s (--generation-config %s; vllm: OpenAI's)",
+                ", ".join(f"{k}={v}" for k, v in self.sampling_defaults.changed().items()),
+                config.generation_config,
+            )
         tokenizer_dir = resolve_model_dir(config.tokenizer) if config.tokenizer else loaded.tokenizer_dir
         self.tokenizer = Tokenizer(tokenizer_dir, loaded.config.eos_token_ids) if tokenizer_dir else None
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else loaded.config.eos_token_ids
@@ -118,7 +126,9 @@ class LLMEngine:
         formatter = None
         if self.task == "rerank":
             formatter = RerankFormatter(self.tokenizer, min(DEFAULT_MAX_LENGTH, self.max_model_len))
-        self.inputs = InputProcessor(self.tokenizer, loaded.config.vocab_size, self.max_model_len, formatter)
+        self.inputs = InputProcessor(
+            self.tokenizer, loaded.config.vocab_size, self.max_model_len, formatter, self.sampling_defaults
+        )
         self.outputs = OutputProcessor(self.eos_token_ids, str(self.dtype).removeprefix("torch."))
         self._requests: dict[str, EngineRequest] = {}
         self._stats = IterationStats()

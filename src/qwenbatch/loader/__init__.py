@@ -21,17 +21,22 @@ from qwenbatch.models.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "dummy")
+# Raised whenever a conversion writes something new, so that GGUF files converted before are converted again
+# (2: generation_config.json holds the GGUF's sampling values).
+CONVERSION_FORMAT = 2
 
 
 @dataclass
 class LoadedModel:
     """A model ready to run, where its tokenizer lives (None for dummy shapes without one), and its weights
-    as the files hold them (None for dummy weights), for layers that re-read them more exactly."""
+    as the files hold them (None for dummy weights), for layers that re-read them more exactly; ``folder``:
+    the Hugging Face folder it was read from (None for dummy weights)."""
 
     model: nn.Module
     config: ModelConfig
     tokenizer_dir: Path | None
     checkpoint: CheckpointReader | None = None
+    folder: Path | None = None
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -67,7 +72,8 @@ def check_model_source(model: str, load_format: str = "auto") -> None:
 
 def _converted_gguf_dir(path: Path) -> Path:
     stat = path.resolve().stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    source = f"{CONVERSION_FORMAT}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = hashlib.sha256(source.encode()).hexdigest()[:16]
     folder = cache_root() / "gguf" / f"{path.stem}-{key}"
     if (folder / "config.json").is_file():
         return folder
@@ -99,4 +105,4 @@ def load_model(model: str, load_format: str, dtype: torch.dtype, device: torch.d
     folder = resolve_model_dir(model)
     cfg = ModelConfig.from_folder(folder)
     model, checkpoint = load_hf_checkpoint(folder, dtype, device)
-    return LoadedModel(model, cfg, folder, checkpoint)
+    return LoadedModel(model, cfg, folder, checkpoint, folder)

@@ -96,6 +96,28 @@ def hf_config(reader, path: Path, vocab_size: int, tied: bool) -> dict:
     return cfg
 
 
+# generation_config.json keys from the sampling values a GGUF converter recorded (llama.cpp's convert_hf_to_gguf
+# takes them from the model's own generation_config.json).
+_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def generation_config(reader, eos_token_id) -> dict:
+    """generation_config.json contents: the eos ids, and the sampling values the GGUF records, if any (its
+    float32 values as the decimals they were written from: 0.6, not 0.6000000238)."""
+    sampling = {}
+    for key, name in _SAMPLING_KEYS.items():
+        if key in reader.fields:
+            value = reader.fields[key].contents()
+            sampling[name] = float(f"{value:.7g}") if isinstance(value, float) else value
+    return {"eos_token_id": eos_token_id, **sampling}
+
+
 def convert_gguf(path: Path, out_dir: Path) -> None:
     """Write ``out_dir``/{config.json, generation_config.json, model.safetensors, tokenizer files}."""
     import gguf  # deferred: parsing support is needed only when converting
@@ -114,7 +136,7 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg["eos_token_id"]}))
+    (out_dir / "generation_config.json").write_text(json.dumps(generation_config(reader, cfg["eos_token_id"])))
     _save_tokenizer(path, out_dir)
     logger.info("converted %s -> %s", path, out_dir)
 

@@ -12,7 +12,7 @@ from qwenbatch.engine.async_engine import AsyncEngine, EngineNotReadyError, Queu
 from qwenbatch.engine.input_processor import InputProcessor
 from qwenbatch.engine.request import EngineRequest
 from qwenbatch.outputs import RequestOutput
-from qwenbatch.sampling_params import SamplingParams
+from qwenbatch.sampling_params import SamplingDefaults, SamplingParams
 from qwenbatch.serving.errors import APIError, engine_error, unavailable
 from qwenbatch.serving.protocol import Usage, _SamplingFields
 
@@ -130,17 +130,20 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
 _PARAM_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+) ")
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """The request's sampling fields as SamplingParams; 400 naming the field when one is invalid."""
+def sampling_params(
+    req: _SamplingFields, max_tokens: int | None, logprobs: int | None, defaults: SamplingDefaults
+) -> SamplingParams:
+    """The request's sampling fields as SamplingParams, ``defaults`` for those it leaves unset; 400 naming the
+    field when one is invalid."""
     values = dict(
         n=req.n,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
-        min_p=req.min_p or 0.0,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=req.repetition_penalty,
         seed=req.seed,
         stop=req.stop,
         stop_token_ids=req.stop_token_ids,
@@ -152,7 +155,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
         include_stop_str_in_output=req.include_stop_str_in_output,
     )
     try:
-        return SamplingParams(**values)
+        return defaults.params(**values)
     except ValueError as e:
         message = str(e)
         match = _PARAM_IN_MESSAGE.search(message)

@@ -44,9 +44,8 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, "this model has no tokenizer (dummy weights); use /v1/completions with token ids")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         top_logprobs = body.top_logprobs or 0
-        params = sampling_params(
-            body, body.max_completion_tokens or body.max_tokens, top_logprobs if body.logprobs else None
-        )
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        params = sampling_params(body, max_tokens, top_logprobs if body.logprobs else None, inputs.sampling_defaults)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         truncate = body.truncate_prompt_tokens
         if truncate is None:

@@ -37,7 +37,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """The completion, or for ``stream`` an iterator of chunks (an error body ends a failed one)."""
         prompts = prompt_list(body.prompt)
         inputs = self.admit(body.model, len(prompts) * body.n, param="prompt")
-        params = sampling_params(body, body.max_tokens, body.logprobs)
+        params = sampling_params(body, body.max_tokens, body.logprobs, inputs.sampling_defaults)
         base_id = f"cmpl-{uuid.uuid4().hex}"
 
         def tokenize(inputs: InputProcessor) -> list[EngineRequest]:
