@@ -43,6 +43,7 @@ SETTINGS = {
     "temperature 0.7, logprobs 5": {"temperature": 0.7, "logprobs": 5},
     "presence 0.5": {"temperature": 0.7, "presence_penalty": 0.5},
     "Qwen's generation config": {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05},
+    "Qwen3's generation config": {"temperature": 0.6, "top_k": 20, "top_p": 0.95},
 }
 KERNELS = SamplerKernels(greedy_tokens, sample_tokens, top_logprobs)
 TORCH_PATH = SamplerKernels(greedy_tokens)  # the engine's sampler before the sample and logprobs kernels

@@ -13,6 +13,7 @@ import torch
 from qwenbatch import LLM, SamplingParams
 from qwenbatch.engine.memory import BLOCK_BOOKKEEPING_BYTES_PER_TOKEN
 from qwenbatch.engine.model_runner import kv_cache_bytes_per_token
+from qwenbatch.layers import sampler
 from qwenbatch.layers.cpu_kernels import greedy_tokens, sample_tokens, top_logprobs
 from qwenbatch.layers.sampler import SamplerKernels, SamplingRow, sample
 from qwenbatch.models.config import ModelConfig
@@ -241,6 +242,34 @@ def test_the_sample_kernel_draws_the_tokens_of_the_torch_path():
         differ = [i for i in finite if got.token_ids[i] != want.token_ids[i]]
         assert len(differ) <= may_differ, differ
         assert len(set(want.token_ids)) > logits.shape[0] // 2  # the draws really differ between rows
+
+
+@pytest.mark.parametrize("scale", [3.0, 0.3])
+def test_top_k_rows_take_the_same_cut_without_a_sort_of_the_vocabulary(scale, monkeypatch):
+    """Where every row sets a top_k of at most MOST_TOP_K_WITHOUT_SORT (Qwen's generation configs: 20), the PyTorch
+    path finds each row's cut among its best logits (torch.topk) instead of sorting the vocabulary: over the real
+    vocabulary's size in bf16, where about half the rows hold more logits equal to their smallest kept value than
+    they keep (the lower ids must go first), the same uniform draws (seeded rows) give the tokens of the full sort
+    and of the CPU kernel."""
+    settings = [
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.8),
+        SamplingParams(temperature=0.6, top_k=20, top_p=0.95),
+        SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=0.7, top_k=50),
+        SamplingParams(temperature=0.1, top_k=1000, top_p=0.99),
+        SamplingParams(temperature=1.5, top_k=200, min_p=0.05),
+    ]
+    logits = (torch.randn(4 * len(settings), 151_936, generator=gen(21)) * scale).bfloat16()
+
+    def draw(kernels: SamplerKernels | None) -> list[int]:
+        rows = [row(settings[i % len(settings)], generator=gen(300 + i)) for i in range(len(logits))]
+        return sample(logits, rows, kernels).token_ids
+
+    without_sort = draw(None)
+    assert without_sort == draw(PATHS["cpu-kernels"])
+    monkeypatch.setattr(sampler, "MOST_TOP_K_WITHOUT_SORT", 0)  # every row through the full sort
+    assert without_sort == draw(None)
+    assert len(set(without_sort)) > len(logits) // 2  # the draws really differ between rows
 
 
 @pytest.mark.parametrize(("high", "nucleus_size"), [(45, 43), (66, 62), (68, 64), (69, 65), (80, 74)])

@@ -331,17 +331,49 @@ def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
     return uniform
 
 
+# Where every row's top-k keeps at most this many tokens, the cut is found among each row's best from torch.topk,
+# without sorting the vocabulary (Qwen's generation configs set top_k 20).
+MOST_TOP_K_WITHOUT_SORT = 1024
+
+
 def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    # Stable: tied logits ranked by id, as the CPU kernel ranks them (bf16 logits tie often).
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    """``logits`` with the tokens outside each row's top-k and top-p set to -inf. Tied logits are ranked by id (the
+    lower first), as the CPU kernel ranks them: bf16 logits tie often."""
     vocab = logits.shape[-1]
     device = logits.device
     top_k = torch.tensor([min(r.params.top_k, vocab) or vocab for r in rows], device=device)
-    ranks = torch.arange(vocab, device=device)[None, :]
-    mask = ranks >= top_k[:, None]
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=device)
-    probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
+    if all(0 < r.params.top_k <= MOST_TOP_K_WITHOUT_SORT for r in rows):
+        return _cut_among_the_best(logits, top_k, top_p)
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    mask = _kept_ranks(sorted_logits, top_k, top_p).logical_not_()
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits.masked_fill(mask, float("-inf")))
+
+
+def _kept_ranks(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which of each row's logits, ranked from the largest, top-k and then top-p keep (bool, as ``ranked``)."""
+    cut = torch.arange(ranked.shape[-1], device=ranked.device)[None, :] >= top_k[:, None]
+    probs = torch.softmax(ranked.masked_fill(cut, float("-inf")), dim=-1)
     # Drop a token when the mass before it already reaches top_p (the first token always stays).
-    mask |= (probs.double().cumsum(dim=-1) - probs.double()) >= top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    cut |= (probs.double().cumsum(dim=-1) - probs.double()) >= top_p[:, None]
+    return cut.logical_not_()
+
+
+def _cut_among_the_best(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The cut of ``_top_k_top_p`` where no row keeps more than its largest few logits: their values from
+    ``topk`` decide how many each row keeps (the same values in the same ranks as a full sort: which of tied ids
+    ``topk`` returned does not matter), then the row keeps every logit above the smallest kept value and, of those
+    equal to it, the lowest ids, as many as were kept."""
+    best = logits.topk(int(top_k.max()), dim=-1).values
+    kept = _kept_ranks(best, top_k, top_p).sum(dim=-1, keepdim=True)
+    smallest = best.gather(-1, kept - 1)
+    tied_kept = kept - (best > smallest).sum(dim=-1, keepdim=True)
+    keep = logits > smallest
+    tied = logits == smallest
+    crowded = (tied.sum(dim=-1, keepdim=True) > tied_kept).squeeze(-1)
+    if crowded.any():  # more logits equal the smallest kept value than are kept: the lower ids go first
+        keep[crowded] |= tied[crowded] & (tied[crowded].cumsum(dim=-1) <= tied_kept[crowded])
+        keep[~crowded] |= tied[~crowded]
+    else:
+        keep |= tied
+    return logits.masked_fill(keep.logical_not_(), float("-inf"))
