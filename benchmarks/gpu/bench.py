@@ -4,7 +4,8 @@
 (a) Qwen3-0.6B shape, dummy bfloat16 weights, 500 prompts x 512 random tokens -> 128, ignore_eos;
 (b) nano-vllm's workload: 256 sequences, input and output lengths random in 100-1024, ignore_eos;
 (c) transformers.generate on (b) at its best static batch size, same GPU and dtype;
-(d) batch-1 decode with CUDA graphs against eager; then, on the GPU, the Triton kernels' tests.
+(d) batch-1 decode with CUDA graphs against eager; (e) the sampler at Qwen3's generation config, top-k cut from
+torch.topk against a full sort; then, on the GPU, the Triton kernels' tests.
 ``--smoke`` runs all of it on the CPU with a tiny model and the Triton interpreter, so a lent GPU
 never finds a typo. Needs only torch, transformers, tokenizers, safetensors, numpy, tqdm, jinja2,
 psutil, xxhash (no server extras, no gguf); pytest for the kernel tests, which are skipped without it.
@@ -244,6 +245,34 @@ def batch1_decode(engine: dict, device: str, output_len: int, vocab_size: int) -
     return rates
 
 
+def sampler_speed(device: str, rows: int, vocab_size: int) -> dict:
+    """(e): the sampler's PyTorch path (CUDA's) on [rows, vocab] bf16 logits at Qwen3's generation config (temperature
+    0.6, top_k 20, top_p 0.95, now every request's default there), ms a call: the top-k cut from torch.topk
+    against the full sort of the vocabulary it replaced."""
+    from qwenbatch.layers import sampler
+
+    logits = (torch.randn(rows, vocab_size, device=device) * 3).bfloat16()
+    params = SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
+    batch = [sampler.SamplingRow(params, [], sampler.NO_PROMPT_IDS, None, ()) for _ in range(rows)]
+    result, limit = {}, sampler.MOST_TOP_K_WITHOUT_SORT
+    try:
+        for name, most in (("topk_ms", limit), ("sort_ms", 0)):
+            sampler.MOST_TOP_K_WITHOUT_SORT = most
+            sampler.sample(logits, batch)
+            times = []
+            for _ in range(10):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                sampler.sample(logits, batch)  # its .tolist() waits for the device
+                times.append((time.perf_counter() - start) * 1e3)
+            result[name] = sorted(times)[len(times) // 2]
+    finally:
+        sampler.MOST_TOP_K_WITHOUT_SORT = limit
+    result["sort_over_topk"] = result["sort_ms"] / result["topk_ms"]
+    return result
+
+
 def summary(name: str, requests: list[BenchRequest], output_tokens: int, wall: float, peak: float) -> dict:
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     return {
@@ -288,6 +317,7 @@ def main() -> None:
             ("a", lambda: run_ours(f"qwenbatch (a) {n_a}x{in_a}->{out_a}", work_a, engine, device)),
             ("b", lambda: run_ours("qwenbatch (b) nano-vllm", work_b, engine, device)),
             ("batch1", lambda: batch1_decode(engine, device, b1, vocab)),
+            ("sampler", lambda: sampler_speed(device, 256 if device == "cuda" else 8, vocab)),
             ("c", lambda: run_transformers("transformers (b)", work_b, shape, sizes, device)),
         ]
         if not args.smoke:  # CI runs these in the interpreter already
@@ -322,6 +352,7 @@ def main() -> None:
         )
     print(f"(0) parity: {report['parity']}; (b) / (c) output tok/s: {report.get('b_over_c', 'n/a')}")
     print(f"(d) batch-1 decode tok/s: {report['batch1']}")
+    print(f"(e) sampler, Qwen3's generation config, ms a call: {report['sampler']}")
     if "kernel_tests" in report:
         print(f"Triton kernel tests on the GPU: {report['kernel_tests']}")
     print(f"wrote {args.out / 'gpu-bench.json'}")
