@@ -13,6 +13,7 @@ import torch
 from qwenbatch import LLM, SamplingParams
 from qwenbatch.engine.memory import BLOCK_BOOKKEEPING_BYTES_PER_TOKEN
 from qwenbatch.engine.model_runner import kv_cache_bytes_per_token
+from qwenbatch.engine.sequence import Sequence
 from qwenbatch.layers import sampler
 from qwenbatch.layers.cpu_kernels import greedy_tokens, sample_tokens, top_logprobs
 from qwenbatch.layers.sampler import SamplerKernels, SamplingRow, sample
@@ -677,6 +678,16 @@ def test_max_tokens_gives_length_with_exactly_that_many_tokens(llm, max_tokens):
     assert c.finish_reason == "length"
     assert c.stop_reason is None
     assert len(c.token_ids) == max_tokens
+
+
+def test_a_sequence_hands_the_penalties_every_output_id_once_as_outputs_grow():
+    seq = Sequence(0, "r", 0, [1, 2, 3], 3, SamplingParams(), max_tokens=10)
+    assert list(seq.output_ids_so_far()) == []
+    seq.token_ids += [7, 8]
+    assert list(seq.output_ids_so_far()) == [7, 8]
+    seq.token_ids.append(7)
+    assert list(seq.output_ids_so_far()) == [7, 8, 7] == seq.output_token_ids
+    assert list(seq.output_ids_so_far()) == [7, 8, 7]  # read again: nothing added twice
 
 
 def test_a_repetition_penalty_gives_the_same_tokens_on_the_kernels_as_on_the_pytorch_path(tiny_checkpoint, llm):

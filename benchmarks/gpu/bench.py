@@ -21,6 +21,7 @@ import os
 import tempfile
 import time
 import traceback
+from array import array
 from pathlib import Path
 
 import psutil
@@ -248,7 +249,8 @@ def batch1_decode(engine: dict, device: str, output_len: int, vocab_size: int) -
 def sampler_speed(device: str, rows: int, vocab_size: int) -> dict:
     """(e): the sampler's PyTorch path (CUDA's) on [rows, vocab] bf16 logits at Qwen3's generation config (temperature
     0.6, top_k 20, top_p 0.95, now every request's default there), ms a call: the top-k cut from torch.topk
-    against the full sort of the vocabulary it replaced."""
+    against the full sort of the vocabulary it replaced; and at Qwen2.5's, whose repetition penalty reads each row's
+    prompt and output ids (256 and 512 here)."""
     from qwenbatch.layers import sampler
 
     logits = (torch.randn(rows, vocab_size, device=device) * 3).bfloat16()
@@ -270,6 +272,15 @@ def sampler_speed(device: str, rows: int, vocab_size: int) -> dict:
     finally:
         sampler.MOST_TOP_K_WITHOUT_SORT = limit
     result["sort_over_topk"] = result["sort_ms"] / result["topk_ms"]
+    # Qwen2.5's config adds repetition_penalty 1.05: every row's 256 prompt ids and 512 output ids are read.
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
+    ids = torch.randint(vocab_size, (rows, 768), generator=torch.Generator().manual_seed(0))
+    batch = [sampler.SamplingRow(params, array("q", r[256:].tolist()), r[:256].unique(), None, ()) for r in ids]
+    sampler.sample(logits, batch)
+    start = time.perf_counter()
+    for _ in range(5):
+        sampler.sample(logits, batch)
+    result["penalties_ms"] = (time.perf_counter() - start) / 5 * 1e3
     return result
 
 

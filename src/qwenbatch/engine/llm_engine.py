@@ -341,11 +341,9 @@ class LLMEngine:
             if request.distinct_prompt_ids is None:
                 request.distinct_prompt_ids = torch.tensor(sorted(set(request.prompt_token_ids)), dtype=torch.long)
             prompt_ids = request.distinct_prompt_ids
-        # The output list is a copy, made only for the penalties that read it: a copy every step would cost
-        # O(length) a sequence a step.
         return SamplingRow(
             p,
-            seq.output_token_ids if p.has_penalties else [],
+            seq.output_ids_so_far() if p.has_penalties else (),
             prompt_ids,
             request.samples[seq.index].generator,
             suppressed,

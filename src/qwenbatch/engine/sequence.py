@@ -8,6 +8,7 @@ lives on its request (``request.SampleState``).
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 
 from qwenbatch.sampling_params import SamplingParams
@@ -39,6 +40,8 @@ class Sequence:
     # "stop", "length", "abort" or "error" once finished (CompletionOutput.finish_reason).
     finish_reason: str | None = None
     score_only: bool = False  # a reranker pair: prefill, then P(yes) instead of a sampled token
+    # The output's ids again, for the penalties, which read all of them every step (see output_ids_so_far).
+    _output_ids: array = field(default_factory=lambda: array("q"), repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +58,17 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def output_ids_so_far(self) -> array:
+        """The output's token ids as an int64 array, extended by the tokens added since the last call: a step's
+        penalties then cost O(new tokens) here, not a copy of every output list (and a Python-list-to-tensor
+        conversion, 8.5 ms a step at 256 rows of 512 tokens)."""
+        done = len(self._output_ids)
+        if done > self.num_output_tokens:  # never, while outputs only grow; rebuilt rather than wrong
+            del self._output_ids[:]
+            done = 0
+        self._output_ids.extend(self.token_ids[self.num_prompt_tokens + done :])
+        return self._output_ids
 
     @property
     def is_finished(self) -> bool:
