@@ -73,6 +73,8 @@ def test_a_folder_without_a_generation_config_or_with_a_bad_value_is_refused(tmp
             sampling_defaults(str(tmp_path), None, {})
     with pytest.raises(ValueError, match="temperature"):
         sampling_defaults("vllm", None, {"temperature": -1})
+    with pytest.raises(ValueError, match="--generation-config vllm ignores"):  # the way out, where the model's is bad
+        sampling_defaults("auto", tmp_path, {})
 
 
 def test_the_override_must_be_a_json_object_of_sampling_values():

@@ -64,4 +64,5 @@ def sampling_defaults(source: str, model_folder: Path | None, overrides: dict[st
     try:
         return SamplingDefaults(**values)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"the default sampling values {values}: {e}") from e
+        hint = " (--generation-config vllm ignores the model's)" if source == "auto" else ""
+        raise ValueError(f"the default sampling values {values}: {e}{hint}") from e
