@@ -378,12 +378,8 @@ def _cut_among_the_best(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     kept = _kept_ranks(best, top_k, top_p).sum(dim=-1, keepdim=True)
     smallest = best.gather(-1, kept - 1)
     tied_kept = kept - (best > smallest).sum(dim=-1, keepdim=True)
-    keep = logits > smallest
     tied = logits == smallest
     crowded = (tied.sum(dim=-1, keepdim=True) > tied_kept).squeeze(-1)
     if crowded.any():  # more logits equal the smallest kept value than are kept: the lower ids go first
-        keep[crowded] |= tied[crowded] & (tied[crowded].cumsum(dim=-1) <= tied_kept[crowded])
-        keep[~crowded] |= tied[~crowded]
-    else:
-        keep |= tied
-    return logits.masked_fill(keep.logical_not_(), float("-inf"))
+        tied[crowded] &= tied[crowded].cumsum(dim=-1) <= tied_kept[crowded]
+    return logits.masked_fill(~((logits > smallest) | tied), float("-inf"))
