@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qwenbatch.sampling_params import KNOBS
 from qwenbatch.settings import FLOAT, Form, parse_bytes, read_as
 
 logger = logging.getLogger(__name__)
@@ -21,7 +22,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("none", "int8")
 CPU_KERNELS = ("auto", "on", "off")
 # The sampling values --override-generation-config may set (SamplingParams' names, and Hugging Face's max_new_tokens).
-OVERRIDABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "max_new_tokens")
+OVERRIDABLE = (*KNOBS, "max_tokens", "max_new_tokens")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

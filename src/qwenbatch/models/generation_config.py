@@ -27,7 +27,6 @@ HF_DEFAULTS: dict[str, Any] = {
     "max_new_tokens": None,
 }
 SAMPLING_NAMES = {"max_new_tokens": "max_tokens"}
-SOURCES = ("auto", "vllm")  # or a folder
 
 
 def recommended_values(path: Path) -> dict[str, Any]:
