@@ -54,7 +54,7 @@ def test_auto_reads_the_model_folder_vllm_ignores_it_and_overrides_win(tmp_path)
     assert sampling_defaults("auto", tmp_path, {}) == QWEN25_DEFAULTS
     assert sampling_defaults("vllm", tmp_path, {}) == SamplingDefaults()
     assert sampling_defaults("auto", tmp_path, {"temperature": 0.2, "max_new_tokens": 9}) == SamplingDefaults(
-        temperature=0.2, top_p=0.8, top_k=20, repetition_penalty=1.05, max_tokens=9
+        temperature=0.2, top_p=0.8, top_k=20, repetition_penalty=1.05, max_tokens=9, max_tokens_limit=9
     )
     assert sampling_defaults("auto", None, {}) == SamplingDefaults()  # dummy weights: no folder
     other = tmp_path / "other"
@@ -94,6 +94,23 @@ def test_a_request_keeps_what_it_sets_and_takes_the_defaults_for_the_rest():
     assert sampling_params(body, 5, None, defaults).max_tokens == 5
 
 
+def test_the_default_length_limits_requests_only_where_the_operator_chose_it(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({**QWEN25, "max_new_tokens": 100}))
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+
+    def granted(source: str, overrides: dict, asked: int | None) -> int | None:
+        return sampling_params(body, asked, None, sampling_defaults(source, tmp_path, overrides)).max_tokens
+
+    # vLLM: the model's own max_new_tokens is a default, which a request's max_tokens overrides ...
+    assert [granted("auto", {}, asked) for asked in (None, 50, 500)] == [None, 50, 500]
+    # ... while one from a folder the operator names, or from the override, is the most any request gets.
+    assert [granted(str(tmp_path), {}, asked) for asked in (None, 50, 500)] == [None, 50, 100]
+    assert [granted("auto", {"max_new_tokens": 80}, asked) for asked in (None, 50, 500)] == [None, 50, 80]
+    assert [granted("vllm", {"max_tokens": 80}, asked) for asked in (None, 500)] == [None, 80]
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingDefaults(max_tokens_limit=0)
+
+
 def test_llm_without_sampling_params_samples_as_the_generation_config_says(tiny_qwen3, tmp_path):
     folder = with_generation_config(tiny_qwen3, tmp_path / "model", {"top_k": 1, "max_new_tokens": 5})
     llm = LLM(model=str(folder), dtype="float32", kv_cache_memory=2**24)
@@ -124,7 +141,7 @@ def test_the_server_fills_what_a_request_leaves_unset_from_the_generation_config
     with RunningServer(ServerSettings(served_model_names=["tiny"]), config) as server:
         applied = httpx.get(f"{server.url}/config").json()["default_sampling_params"]
         assert applied == {"temperature": 1.0, "top_p": 1.0, "top_k": 1, "min_p": 0.0, "repetition_penalty": 1.0,
-                           "max_tokens": 4}  # fmt: skip
+                           "max_tokens": 4, "max_tokens_limit": 4}  # fmt: skip
 
         def chat(**fields) -> dict:
             body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "ignore_eos": True, **fields}
@@ -137,3 +154,4 @@ def test_the_server_fills_what_a_request_leaves_unset_from_the_generation_config
         assert [r["usage"]["completion_tokens"] for r in unset] == [4, 4]
         assert unset[0]["choices"][0]["message"] == unset[1]["choices"][0]["message"] == greedy["choices"][0]["message"]
         assert chat(max_tokens=2)["usage"]["completion_tokens"] == 2
+        assert chat(max_tokens=9)["usage"]["completion_tokens"] == 4  # the override's length is the server's limit

@@ -115,7 +115,8 @@ KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 class SamplingDefaults:
     """What a request takes for the sampling values it leaves unset: OpenAI's defaults, or those the model's
     creator recommends in its ``generation_config.json`` (vLLM's ``--generation-config auto``; see
-    ``models/generation_config.py``). ``max_tokens`` None: no default length."""
+    ``models/generation_config.py``). ``max_tokens`` None: no default length. ``max_tokens_limit``: the most a
+    request given to ``params`` may ask for (vLLM's server-wide limit), None for no limit."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -123,20 +124,28 @@ class SamplingDefaults:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     max_tokens: int | None = None
+    max_tokens_limit: int | None = None
 
     def __post_init__(self) -> None:
         self.params()  # a ValueError naming the first invalid value
+        if self.max_tokens_limit is not None:
+            SamplingParams(max_tokens=self.max_tokens_limit)
 
     def params(self, **values) -> SamplingParams:
         """SamplingParams of ``values``, the sampling knobs missing or None in them taken from these defaults, and
         ``max_tokens`` where it is missing (vLLM's ``get_default_sampling_params``: SamplingParams' own 16 if there
         is no default length). A None ``max_tokens`` stays None: the engine then takes the default length, or
-        what the context has room for if that is less (``InputProcessor.make_request``)."""
+        what the context has room for if that is less (``InputProcessor.make_request``). A ``max_tokens`` above
+        ``max_tokens_limit`` is lowered to it, as vLLM's server does (not its offline ``LLM``, which takes a
+        caller's SamplingParams as they are, as ``LLM`` here does)."""
         for name in KNOBS:
             if values.get(name) is None:
                 values[name] = getattr(self, name)
         if "max_tokens" not in values and self.max_tokens is not None:
             values["max_tokens"] = self.max_tokens
+        limit, asked = self.max_tokens_limit, values.get("max_tokens")
+        if limit is not None and isinstance(asked, int) and asked > limit:
+            values["max_tokens"] = limit
         return SamplingParams(**values)
 
     def changed(self) -> dict[str, float | int]:

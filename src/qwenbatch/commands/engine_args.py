@@ -125,7 +125,8 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
     g.add_argument(
         "--override-generation-config",
         default=None,
-        help="a JSON object of sampling values over those, e.g. '{\"temperature\": 0.5}'",
+        help="a JSON object of sampling values over those, e.g. '{\"temperature\": 0.5}'; a max_new_tokens here "
+        "(or in a --generation-config folder) is also the most any request gets",
     )
 
 

@@ -6,6 +6,10 @@ repetition_penalty or max_tokens unset the value of the model's generation confi
 (``GenerationConfig.to_diff_dict``: a ``top_k`` of 50 is dropped, not applied), and ``max_new_tokens`` as
 ``max_tokens``; ``do_sample`` is ignored. ``--generation-config vllm`` keeps OpenAI's defaults, a folder reads its
 ``generation_config.json`` instead of the model's, and ``--override-generation-config`` sets values over either.
+
+The default length is also a limit (vLLM's "server-wide limit") where the operator chose it: ``max_new_tokens``
+from a folder named by ``--generation-config`` or from ``--override-generation-config`` lowers every request's
+``max_tokens`` to it; the model's own (``auto``) is only the length of requests that set none.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ def recommended_values(path: Path) -> dict[str, Any]:
 def sampling_defaults(source: str, model_folder: Path | None, overrides: dict[str, Any]) -> SamplingDefaults:
     """The defaults of an engine: ``source`` "auto" reads ``model_folder``'s generation config (none for dummy
     weights, or a folder without one), "vllm" none, else the folder named; ``overrides`` (SamplingParams names,
-    or ``max_new_tokens``) win over what was read. ValueError naming the file or value at fault."""
+    or ``max_new_tokens``) win over what was read; the default length is a limit too where it came from a folder
+    named or from ``overrides``. ValueError naming the file or value at fault."""
     if source == "vllm":
         values: dict[str, Any] = {}
     elif source == "auto":
@@ -60,6 +65,8 @@ def sampling_defaults(source: str, model_folder: Path | None, overrides: dict[st
             raise ValueError(f"--generation-config {source}: no {FILE_NAME} there (or pass auto or vllm)")
         values = recommended_values(path)
     values.update({SAMPLING_NAMES.get(key, key): value for key, value in overrides.items()})
+    if source not in ("auto", "vllm") or "max_tokens" in overrides or "max_new_tokens" in overrides:
+        values["max_tokens_limit"] = values.get("max_tokens")
     try:
         return SamplingDefaults(**values)
     except (TypeError, ValueError) as e:
