@@ -280,6 +280,7 @@ def test_gpu_script_smoke_runs_end_to_end_on_the_cpu(tmp_path):
         assert report[key]["output_tps"] > 0 and report[key]["requests"] > 0
     assert report["a"]["requests"] == 4 and report["b"]["requests"] == 6
     assert report["sampler"]["topk_ms"] > 0 and report["sampler"]["sort_ms"] > 0
+    assert report["sampler"]["top_p_probe_ms"] > 0 and report["sampler"]["top_p_sort_ms"] > 0
     assert "req/s" in proc.stdout and "(b) / (c)" in proc.stdout
 
 

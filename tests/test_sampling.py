@@ -246,12 +246,13 @@ def test_the_sample_kernel_draws_the_tokens_of_the_torch_path():
 
 
 @pytest.mark.parametrize("scale", [3.0, 0.3])
-def test_top_k_rows_take_the_same_cut_without_a_sort_of_the_vocabulary(scale, monkeypatch):
-    """Where every row sets a top_k of at most MOST_TOP_K_WITHOUT_SORT (Qwen's generation configs: 20), the PyTorch
-    path finds each row's cut among its best logits (torch.topk) instead of sorting the vocabulary: over the real
-    vocabulary's size in bf16, where about half the rows hold more logits equal to their smallest kept value than
-    they keep (the lower ids must go first), the same uniform draws (seeded rows) give the tokens of the full sort
-    and of the CPU kernel."""
+def test_rows_cut_among_their_best_logits_take_the_tokens_of_the_full_sort(scale, monkeypatch):
+    """The PyTorch path finds a row's cut among its best logits (torch.topk) instead of sorting the vocabulary where
+    its top_k is at most MOST_TOP_K_WITHOUT_SORT (Qwen's generation configs: 20), or where it has top-p alone and its
+    TOP_P_PROBE best hold top_p of the mass; it sorts the other rows and leaves uncut rows as they are. Over the real
+    vocabulary's size in bf16, where about half the top-k rows hold more logits equal to their smallest kept value
+    than they keep (the lower ids must go first), the same uniform draws (seeded rows) give the tokens of the full
+    sort and of the CPU kernel."""
     settings = [
         SamplingParams(temperature=0.7, top_k=20, top_p=0.8),
         SamplingParams(temperature=0.6, top_k=20, top_p=0.95),
@@ -259,18 +260,28 @@ def test_top_k_rows_take_the_same_cut_without_a_sort_of_the_vocabulary(scale, mo
         SamplingParams(temperature=0.7, top_k=50),
         SamplingParams(temperature=0.1, top_k=1000, top_p=0.99),
         SamplingParams(temperature=1.5, top_k=200, min_p=0.05),
+        SamplingParams(temperature=0.2, top_p=0.9),  # top-p alone: found among the best at scale 3, sorted at 0.3
+        SamplingParams(temperature=0.05, top_p=0.95),  # found among the best at both scales
+        SamplingParams(temperature=1.0, top_p=0.9),  # sorted: the best 64 hold too little
+        SamplingParams(temperature=0.1, top_k=5000, top_p=0.9),  # sorted: top_k past MOST_TOP_K_WITHOUT_SORT
+        SamplingParams(temperature=0.8),  # no cut, beside rows that cut
     ]
-    logits = (torch.randn(4 * len(settings), 151_936, generator=gen(21)) * scale).bfloat16()
+    logits = (torch.randn(3 * len(settings), 151_936, generator=gen(21)) * scale).bfloat16()
 
     def draw(kernels: SamplerKernels | None) -> list[int]:
         rows = [row(settings[i % len(settings)], generator=gen(300 + i)) for i in range(len(logits))]
         return sample(logits, rows, kernels).token_ids
 
-    without_sort = draw(None)
-    assert without_sort == draw(PATHS["cpu-kernels"])
+    sorted_rows = []
+    by_sorting = sampler._cut_by_sorting
+    monkeypatch.setattr(sampler, "_cut_by_sorting", lambda x, *a: sorted_rows.append(len(x)) or by_sorting(x, *a))
+    among_the_best = draw(None)
+    assert sorted_rows == [3 * (2 if scale == 3.0 else 3)]  # the rows marked sorted above, in one call
+    assert among_the_best == draw(PATHS["cpu-kernels"])
     monkeypatch.setattr(sampler, "MOST_TOP_K_WITHOUT_SORT", 0)  # every row through the full sort
-    assert without_sort == draw(None)
-    assert len(set(without_sort)) > len(logits) // 2  # the draws really differ between rows
+    monkeypatch.setattr(sampler, "TOP_P_PROBE", 0)
+    assert among_the_best == draw(None)
+    assert len(set(among_the_best)) > len(logits) // 2  # the draws really differ between rows
 
 
 @pytest.mark.parametrize(("high", "nucleus_size"), [(45, 43), (66, 62), (68, 64), (69, 65), (80, 74)])

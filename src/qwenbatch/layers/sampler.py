@@ -341,23 +341,43 @@ def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
     return uniform
 
 
-# Where every row's top-k keeps at most this many tokens, the cut is found among each row's best from torch.topk,
-# without sorting the vocabulary (Qwen's generation configs set top_k 20).
+# A row whose top-k keeps at most this many tokens finds its cut among its best from torch.topk, without sorting the
+# vocabulary (Qwen's generation configs set top_k 20).
 MOST_TOP_K_WITHOUT_SORT = 1024
+# A row with top-p alone looks for its cut among its this many best first, as the CPU kernel does; only the rows whose
+# best hold less than top_p of the mass are sorted.
+TOP_P_PROBE = 64
 
 
 def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """``logits`` with the tokens outside each row's top-k and top-p set to -inf. Tied logits are ranked by id (the
-    lower first), as the CPU kernel ranks them: bf16 logits tie often."""
-    vocab = logits.shape[-1]
-    device = logits.device
-    top_k = torch.tensor([min(r.params.top_k, vocab) or vocab for r in rows], device=device)
+    lower first), as the CPU kernel ranks them: bf16 logits tie often. How many tokens a row keeps is found among
+    its best logits where its top_k is at most MOST_TOP_K_WITHOUT_SORT, or where it has none and its TOP_P_PROBE
+    best reach top_p; the other rows are sorted."""
+    vocab, device = logits.shape[-1], logits.device
+    ks = [min(r.params.top_k, vocab) or vocab for r in rows]
+    top_k = torch.tensor(ks, device=device)
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=device)
-    if all(0 < r.params.top_k <= MOST_TOP_K_WITHOUT_SORT for r in rows):
-        return _cut_among_the_best(logits, top_k, top_p)
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-    mask = _kept_ranks(sorted_logits, top_k, top_p).logical_not_()
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits.masked_fill(mask, float("-inf")))
+    by_top_k = [k <= MOST_TOP_K_WITHOUT_SORT for k in ks]
+    by_top_p = [k == vocab > MOST_TOP_K_WITHOUT_SORT and r.params.top_p < 1.0 for k, r in zip(ks, rows, strict=True)]
+    best_needed = max([k for k in ks if k <= MOST_TOP_K_WITHOUT_SORT] + [TOP_P_PROBE] * any(by_top_p), default=0)
+    found = torch.tensor(by_top_k, device=device)
+    kept = torch.full((len(rows),), vocab, device=device)
+    best = None
+    if best_needed > 0:
+        best = logits.topk(min(best_needed, vocab), dim=-1).values
+        kept = torch.where(found, _kept_ranks(best, top_k, top_p).sum(dim=-1), kept)
+        if any(by_top_p):
+            nucleus, reached = _nucleus_among_the_best(logits, best, top_p)
+            reached &= torch.tensor(by_top_p, device=device)
+            kept = torch.where(reached, nucleus, kept)
+            found |= reached
+    uncut = (top_k == vocab) & (top_p >= 1.0)  # in a batch with rows that cut: nothing to do
+    to_sort = torch.nonzero(~found & ~uncut).squeeze(-1)
+    cut = _keep_the_best(logits, best, kept, found) if best is not None else logits.clone()
+    if len(to_sort):
+        cut[to_sort] = _cut_by_sorting(logits[to_sort], top_k[to_sort], top_p[to_sort])
+    return cut
 
 
 def _kept_ranks(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -369,17 +389,35 @@ def _kept_ranks(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return cut.logical_not_()
 
 
-def _cut_among_the_best(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The cut of ``_top_k_top_p`` where no row keeps more than its largest few logits: their values from
-    ``topk`` decide how many each row keeps (the same values in the same ranks as a full sort: which of tied ids
-    ``topk`` returned does not matter), then the row keeps every logit above the smallest kept value and, of those
-    equal to it, the lowest ids, as many as were kept."""
-    best = logits.topk(int(top_k.max()), dim=-1).values
-    kept = _kept_ranks(best, top_k, top_p).sum(dim=-1, keepdim=True)
+def _nucleus_among_the_best(
+    logits: torch.Tensor, best: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many tokens each row's top-p keeps over its whole row, counted among its ``best`` logits (ranked from the
+    largest), and whether that count holds: False where the best hold less than top_p of the row's mass, so the cut
+    lies past them."""
+    probs = (best.float() - logits.float().logsumexp(dim=-1, keepdim=True)).exp().double()
+    mass = probs.cumsum(dim=-1)
+    kept = ((mass - probs) < top_p[:, None]).sum(dim=-1)
+    return kept, mass[:, -1] >= top_p
+
+
+def _keep_the_best(logits: torch.Tensor, best: torch.Tensor, kept: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``logits`` where each of ``rows`` (bool) keeps its ``kept`` largest logits (``best``: each row's largest,
+    ranked; at least ``kept`` of them) and the others are -inf; other rows as they are. The values decide: a row keeps
+    every logit above its smallest kept value and, of those equal to it, the lowest ids, as many as were kept (so
+    which of tied ids ``topk`` returned does not matter)."""
+    kept = kept.clamp(max=best.shape[-1])[:, None]  # rows left as they are: any rank
     smallest = best.gather(-1, kept - 1)
     tied_kept = kept - (best > smallest).sum(dim=-1, keepdim=True)
     tied = logits == smallest
-    crowded = (tied.sum(dim=-1, keepdim=True) > tied_kept).squeeze(-1)
+    crowded = (tied.sum(dim=-1, keepdim=True) > tied_kept).squeeze(-1) & rows
     if crowded.any():  # more logits equal the smallest kept value than are kept: the lower ids go first
         tied[crowded] &= tied[crowded].cumsum(dim=-1) <= tied_kept[crowded]
-    return logits.masked_fill(~((logits > smallest) | tied), float("-inf"))
+    return logits.masked_fill(~((logits > smallest) | tied | ~rows[:, None]), float("-inf"))
+
+
+def _cut_by_sorting(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The cut of ``_top_k_top_p`` by a stable sort of each row (ties keep the lower ids)."""
+    ranked, order = logits.sort(dim=-1, descending=True, stable=True)
+    dropped = _kept_ranks(ranked, top_k, top_p).logical_not_()
+    return torch.empty_like(logits).scatter_(-1, order, ranked.masked_fill(dropped, float("-inf")))
