@@ -30,6 +30,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import qwenbatch
 from qwenbatch.config import EngineConfig
 from qwenbatch.engine.llm_engine import LLMEngine
 from qwenbatch.server.app import ServerSettings
@@ -392,7 +393,14 @@ def test_huge_n_is_rejected_at_once(tiny_qwen3, tmp_path):
 # -- 1b. auth, body limit, queue bound ---------------------------------------------------------------
 
 
-PROTECTED = [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/metrics"), ("GET", "/config")]
+PROTECTED = [
+    ("GET", "/v1/models"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/tokenize"),
+    ("GET", "/metrics"),
+    ("GET", "/config"),
+    ("GET", "/version"),
+]
 BAD_KEYS = {"none": {}, "wrong": {"Authorization": "Bearer nope"}, "not-bearer": {"Authorization": f"Basic {USER_KEY}"}}
 
 
@@ -474,6 +482,8 @@ def test_full_waiting_queue_is_503_with_retry_after(one_seat):
             error = assert_error(response, 503)
             assert response.headers["retry-after"].isdigit(), response.headers
             assert error["type"] == "service_unavailable" and error["code"] == "unavailable", error
+        # Counting tokens queues nothing: it is answered while generation is turned away.
+        assert post(url, "/tokenize", {"model": MODEL, "prompt": "hi"}).json()["count"] > 0
     # Closing the running stream aborts it; the waiting request runs and completes.
     thread.join(WAIT_S)
     assert waiting["r"].status_code == 200, waiting["r"].text
@@ -481,6 +491,10 @@ def test_full_waiting_queue_is_503_with_retry_after(one_seat):
 
 
 # -- 2. /health: loading, ready, dead ----------------------------------------------------------------
+
+
+def test_version_names_the_package(url):
+    assert httpx.get(url + "/version").json() == {"version": qwenbatch.__version__}
 
 
 def test_health_is_200_healthy(url):

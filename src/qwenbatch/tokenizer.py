@@ -32,10 +32,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # The Rust tokenizer directly: transformers' encode resets truncation state on every call,
         # which fails ("Already borrowed") when another thread detokenizes at the same time.
-        return self.backend.encode(text, add_special_tokens=False).ids
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (byte-level: "Ġ" for a leading space)."""
+        return [self.backend.id_to_token(t) or "" for t in token_ids]
 
     def token_text(self, token_id: int) -> str:
         """One token as text (for logprobs); a byte-level piece of a character may decode to '\ufffd'."""

@@ -75,6 +75,22 @@ class InputProcessor:
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise ValueError(f"cannot apply the chat template: {e}") from e
 
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """``text``'s token ids, as a request's prompt would hold them (``add_special_tokens`` adds what the
+        tokenizer puts around a text: nothing for Qwen's); ValueError without a tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError(NO_TOKENIZER)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, special tokens included; ValueError for an id outside the model's
+        vocabulary, or without a tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer (dummy weights)")
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"token ids must be integers in [0, {self.vocab_size})")
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
     # -- generation ---------------------------------------------------------------------------------
 
     def make_request(

@@ -17,6 +17,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from qwenbatch import __version__
 from qwenbatch.batch_api.storage import BatchStore, KeyQuota
 from qwenbatch.batch_api.worker import BatchWorker
 from qwenbatch.config import EngineConfig
@@ -199,6 +200,10 @@ def _add_routes(app: FastAPI, settings: ServerSettings, names: list[str], metric
             for name in names
         ]
         return OrjsonResponse({"object": "list", "data": data})
+
+    @app.get("/version")
+    async def version():
+        return OrjsonResponse({"version": __version__})
 
     def effective_config() -> dict:
         try:

@@ -9,7 +9,14 @@ from pydantic import BaseModel
 from qwenbatch.server.common import OrjsonResponse, sse_events, until_disconnect
 from qwenbatch.server.guard import allowed_priority
 from qwenbatch.serving.api import OpenAIServingAPI
-from qwenbatch.serving.protocol import ChatCompletionRequest, CompletionRequest, RerankRequest, ScoreRequest
+from qwenbatch.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    RerankRequest,
+    ScoreRequest,
+    TokenizeRequest,
+)
 
 router = APIRouter()
 
@@ -50,3 +57,13 @@ async def rerank(body: RerankRequest, raw: Request):
 async def score(body: ScoreRequest, raw: Request):
     work = _serving(raw).rerank.score(body, allowed_priority(raw, body.priority))
     return _respond(await until_disconnect(work, raw), raw)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, raw: Request):
+    return _respond(await _serving(raw).tokenization.tokenize(body), raw)
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, raw: Request):
+    return _respond(await _serving(raw).tokenization.detokenize(body), raw)

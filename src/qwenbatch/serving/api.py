@@ -18,10 +18,11 @@ from qwenbatch.serving.protocol import (
     RerankRequest,
 )
 from qwenbatch.serving.rerank import OpenAIServingRerank
+from qwenbatch.serving.tokenization import OpenAIServingTokenization
 
 
 class OpenAIServingAPI:
-    """The chat, completions and rerank handlers of one engine client."""
+    """The chat, completions, rerank and tokenization handlers of one engine client."""
 
     def __init__(self, engine: AsyncEngine, served_model_names: list[str]) -> None:
         self.engine = engine
@@ -29,6 +30,7 @@ class OpenAIServingAPI:
         self.chat = OpenAIServingChat(engine, served_model_names)
         self.completion = OpenAIServingCompletion(engine, served_model_names)
         self.rerank = OpenAIServingRerank(engine, served_model_names)
+        self.tokenization = OpenAIServingTokenization(engine, served_model_names)
         self._routes = {
             CHAT_URL: (ChatCompletionRequest, self.chat.create),
             COMPLETIONS_URL: (CompletionRequest, self.completion.create),

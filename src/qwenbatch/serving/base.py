@@ -31,11 +31,15 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
+    def check_model(self, model: str | None) -> None:
+        """404 if a request names a model this server does not answer to."""
+        if model is not None and model not in self.served_model_names:
+            raise APIError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+
     def admit(self, model: str | None, num_seqs: int = 1, param: str | None = None) -> InputProcessor:
         """The input processor for a request naming ``model`` that makes ``num_seqs`` sequences: 404 if the
         model is unknown, 503 if loading or the queue has no room for them, 400 naming ``param`` if it never can."""
-        if model is not None and model not in self.served_model_names:
-            raise APIError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+        self.check_model(model)
         try:
             self.engine.check_capacity(num_seqs)
             return self.engine.inputs

@@ -27,6 +27,7 @@ from qwenbatch.serving.protocol import (
     TokenLogprob,
     TopLogprob,
     Usage,
+    message_dicts,
 )
 from qwenbatch.tokenizer import THINK_END, THINK_START, ReasoningStream, Tokenizer, split_reasoning
 
@@ -42,7 +43,7 @@ class OpenAIServingChat(OpenAIServing):
         tokenizer = inputs.tokenizer
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer (dummy weights); use /v1/completions with token ids")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = message_dicts(body.messages)
         top_logprobs = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = sampling_params(body, max_tokens, top_logprobs if body.logprobs else None, inputs.sampling_defaults)

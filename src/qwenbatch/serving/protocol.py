@@ -111,16 +111,12 @@ class _SamplingFields(_Request):
     priority: Priority = 0
 
 
-class ChatCompletionRequest(_SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: PositiveInt | None = None
-    max_completion_tokens: PositiveInt | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+class _TemplateFields(_Request):
+    """How a conversation goes through the chat template (chat completions and /tokenize share them)."""
+
     chat_template_kwargs: dict[str, Any] | None = None
-    # Qwen clients send these at the top level (through the SDK's extra_body).
+    # Qwen clients send this at the top level (through the SDK's extra_body).
     enable_thinking: bool | None = None
-    return_reasoning: bool | None = None
     add_generation_prompt: bool = True
 
     def thinking(self) -> bool | None:
@@ -131,11 +127,60 @@ class ChatCompletionRequest(_SamplingFields):
         return None if value is None else bool(value)
 
 
+def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """``messages`` as the chat template takes them (role and text)."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
+class ChatCompletionRequest(_SamplingFields, _TemplateFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    return_reasoning: bool | None = None
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: PositiveInt | None = 16
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+
+class TokenizeRequest(_TemplateFields):
+    """vLLM's ``POST /tokenize``: a ``prompt`` as completions read it, or ``messages`` as chat completions render
+    them, one of the two. ``add_special_tokens`` defaults as vLLM's: True for a prompt, False for messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    """vLLM's ``POST /detokenize``: the text of token ids, special tokens included."""
+
+    model: str | None = None
+    tokens: list[NonNegativeInt]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
 
 
 MAX_RERANK_DOCUMENTS = 4096  # pairs in one rerank/score request
