@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Literal
 
 import httpx
 import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel, Field
 
 from qwenbatch.llm import LLM
 from qwenbatch.sampling_params import SamplingParams
@@ -668,3 +670,23 @@ def test_unknown_model_is_a_404(client):
     assert error.value.status_code == 404
     assert error.value.body["code"] == "model_not_found"
     assert error.value.body["param"] == "model"
+
+
+def test_parse_gives_the_pydantic_object_of_a_json_schema_response(client):
+    """The SDK's ``parse`` sends the model's JSON schema as a strict json_schema response_format and reads the
+    answer back into it."""
+
+    class Answer(BaseModel):
+        answer: Literal["yes", "no"]
+        count: int = Field(ge=0, le=99)
+        ok: bool
+
+    completion = client.chat.completions.parse(
+        model="tiny",
+        messages=[{"role": "user", "content": "Is it raining? Answer in JSON."}],
+        response_format=Answer,
+        max_tokens=200,
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}},  # a random model pads otherwise
+    )
+    assert completion.choices[0].finish_reason == "stop"
+    assert isinstance(completion.choices[0].message.parsed, Answer)

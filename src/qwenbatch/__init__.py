@@ -2,9 +2,17 @@
 
 from qwenbatch.inputs import TextPrompt, TokensPrompt
 from qwenbatch.outputs import CompletionOutput, RequestOutput
-from qwenbatch.sampling_params import SamplingParams
+from qwenbatch.sampling_params import SamplingParams, StructuredOutputs
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "TextPrompt", "TokensPrompt"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputs",
+    "TextPrompt",
+    "TokensPrompt",
+]
 __version__ = "0.1.0"
 
 

@@ -15,6 +15,43 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_REPETITION_PENALTY = 100.0
 
 
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What a request's output must match (vLLM's StructuredOutputsParams), exactly one of: a JSON schema (``json``,
+    as a dict or its JSON text), any JSON object (``json_object``), a ``regex``, one of the strings in ``choice``,
+    or a Lark ``grammar`` (llguidance's dialect). ``disable_any_whitespace``: JSON without optional whitespace (a
+    model that likes newlines cannot pad its output). The engine masks every token the match would not allow, and
+    ends the output when the match is complete (finish reason "stop")."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(
+                "SamplingParams.structured_outputs must set exactly one of json, json_object, regex, choice or "
+                f"grammar, got {', '.join(given) or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise ValueError("SamplingParams.structured_outputs json must be a JSON schema (an object or its text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"SamplingParams.structured_outputs {name} must be a non-empty string")
+        if self.choice is not None:
+            choice = tuple(self.choice) if isinstance(self.choice, list | tuple) else ()
+            if not choice or any(not isinstance(c, str) or not c for c in choice):
+                raise ValueError("SamplingParams.structured_outputs choice must be a list of non-empty strings")
+            object.__setattr__(self, "choice", choice)
+
+
 @dataclass
 class SamplingParams:
     """How one request is sampled and when it stops.
@@ -40,6 +77,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs returned per generated token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None  # what the output must match (a JSON schema, a regex, ...)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -95,6 +133,8 @@ class SamplingParams:
             )
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must hold non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            fail("structured_outputs", "must be a StructuredOutputs or None")
 
     @property
     def greedy(self) -> bool:

@@ -16,9 +16,10 @@ import torch
 
 from qwenbatch.engine.request import EngineRequest, SampleState
 from qwenbatch.engine.sequence import Sequence
+from qwenbatch.engine.structured_output import GrammarCompiler, OutputGrammar
 from qwenbatch.inputs import PromptType, parse_prompt
 from qwenbatch.rerank import RerankFormatter
-from qwenbatch.sampling_params import SamplingDefaults, SamplingParams
+from qwenbatch.sampling_params import SamplingDefaults, SamplingParams, StructuredOutputs
 from qwenbatch.tokenizer import IncrementalDetokenizer, Tokenizer
 
 NOT_A_RERANKER = "this model does not score pairs: serve a Qwen3-Reranker, or pass --task rerank"
@@ -44,8 +45,10 @@ class InputProcessor:
         max_model_len: int,
         rerank_formatter: RerankFormatter | None = None,
         sampling_defaults: SamplingDefaults | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.grammars = grammars  # None: the model has no tokenizer, so no structured outputs
         # What a request's unset sampling values are: OpenAI's, or the model's generation config's.
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
         self.vocab_size = vocab_size
@@ -91,6 +94,18 @@ class InputProcessor:
             raise ValueError(f"token ids must be integers in [0, {self.vocab_size})")
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
+    def check_structured_outputs(self, spec: StructuredOutputs) -> None:
+        """ValueError, in llguidance's words, where ``spec`` is no grammar (a bad schema, regex or Lark grammar)."""
+        self._output_grammars(spec, 0)
+
+    def _output_grammars(self, spec: StructuredOutputs, count: int) -> list[OutputGrammar]:
+        if self.grammars is None:
+            raise ValueError("structured outputs need the model's tokenizer (this model has none)")
+        if count == 0:
+            self.grammars.check(spec)
+            return []
+        return self.grammars.grammars(spec, count)
+
     # -- generation ---------------------------------------------------------------------------------
 
     def make_request(
@@ -132,6 +147,9 @@ class InputProcessor:
             for i in range(params.n)
         ]
         samples = [self._sample_state(params, i) for i in range(params.n)]
+        if params.structured_outputs is not None:
+            for state, grammar in zip(samples, self._output_grammars(params.structured_outputs, params.n), strict=True):
+                state.grammar = grammar
         return EngineRequest(
             request_id, prompt_text, token_ids, seqs, samples, stream, priority, arrival_time=time.monotonic()
         )

@@ -23,6 +23,7 @@ from qwenbatch.engine.request import EngineRequest
 from qwenbatch.engine.scheduler import Scheduler
 from qwenbatch.engine.sequence import Sequence
 from qwenbatch.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from qwenbatch.engine.structured_output import GrammarCompiler
 from qwenbatch.layers.host_allocator import cache_step_buffers, return_cached_buffers
 from qwenbatch.layers.sampler import NO_PROMPT_IDS, SamplingRow
 from qwenbatch.loader import load_model, resolve_model_dir
@@ -126,8 +127,11 @@ class LLMEngine:
         formatter = None
         if self.task == "rerank":
             formatter = RerankFormatter(self.tokenizer, min(DEFAULT_MAX_LENGTH, self.max_model_len))
+        grammars = None
+        if self.tokenizer is not None:
+            grammars = GrammarCompiler(self.tokenizer.hf, loaded.config.vocab_size, self.eos_token_ids)
         self.inputs = InputProcessor(
-            self.tokenizer, loaded.config.vocab_size, self.max_model_len, formatter, self.sampling_defaults
+            self.tokenizer, loaded.config.vocab_size, self.max_model_len, formatter, self.sampling_defaults, grammars
         )
         self.outputs = OutputProcessor(self.eos_token_ids, str(self.dtype).removeprefix("torch."))
         self._requests: dict[str, EngineRequest] = {}
@@ -341,12 +345,14 @@ class LLMEngine:
             if request.distinct_prompt_ids is None:
                 request.distinct_prompt_ids = torch.tensor(sorted(set(request.prompt_token_ids)), dtype=torch.long)
             prompt_ids = request.distinct_prompt_ids
+        state = request.samples[seq.index]
         return SamplingRow(
             p,
             seq.output_ids_so_far() if p.has_penalties else (),
             prompt_ids,
-            request.samples[seq.index].generator,
+            state.generator,
             suppressed,
+            state.grammar.allowed_token_bits() if state.grammar is not None else None,
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -45,11 +45,17 @@ class OutputProcessor:
             return "stop"
         if token in self.eos_token_ids and not p.ignore_eos:
             return "stop"
+        if state.grammar is not None and not state.grammar.accept(token):
+            state.error = f"the structured output's match refused token {token}: {state.grammar.error}"
+            logger.error("request %s failed: %s", seq.request_id, state.error)
+            return "error"
         if state.detokenizer is not None:
             stop_str = state.detokenizer.add(token)
             if stop_str is not None:
                 state.stop_reason = stop_str
                 return "stop"
+        if state.grammar is not None and state.grammar.complete:
+            return "stop"
         if seq.num_output_tokens >= seq.max_tokens:
             return "length"
         return None

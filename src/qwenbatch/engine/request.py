@@ -10,13 +10,15 @@ from qwenbatch.engine.sequence import Sequence
 if TYPE_CHECKING:
     import torch
 
+    from qwenbatch.engine.structured_output import OutputGrammar
     from qwenbatch.tokenizer import IncrementalDetokenizer
 
 
 @dataclass(eq=False)
 class SampleState:
     """What one sequence produces beyond its token ids: its sampler's generator, its text, logprobs, why it
-    stopped, a reranker's score, and how much of it has been streamed (owned by the output processor)."""
+    stopped, a reranker's score, its structured output's match, and how much of it has been streamed (owned by
+    the output processor)."""
 
     generator: torch.Generator | None = None  # per-request seed; None: the global generator
     detokenizer: IncrementalDetokenizer | None = None  # None when the model has no tokenizer
@@ -24,6 +26,7 @@ class SampleState:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: str | None = None  # set with finish_reason "error"
     score: float | None = None  # a score-only sequence's P(yes)
+    grammar: OutputGrammar | None = None  # what a structured output must still match
     num_streamed_tokens: int = 0
     num_streamed_chars: int = 0
     reported_finished: bool = False

