@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from qwenbatch import LLM, SamplingParams, StructuredOutputs
-from qwenbatch.layers.cpu_kernels import greedy_tokens, sample_tokens, top_logprobs
+from qwenbatch.layers import sampler
+from qwenbatch.layers.cpu_kernels import greedy_tokens, mask_to_allowed, sample_tokens, top_logprobs
 from qwenbatch.layers.sampler import SamplerKernels, SamplingRow, sample
 
-PATHS = {"torch": None, "cpu-kernels": SamplerKernels(greedy_tokens, sample_tokens, top_logprobs)}
+PATHS = {"torch": None, "cpu-kernels": SamplerKernels(greedy_tokens, sample_tokens, top_logprobs, mask_to_allowed)}
 # Bounded values only: a random tiny model would fill a free string or number until max_tokens.
 SCHEMA = {
     "type": "object",
@@ -84,6 +85,23 @@ def test_the_sampler_takes_only_allowed_tokens_and_flags_only_the_models_non_fin
     assert out.token_ids[0] == max(allowed[0], key=lambda t: logits[0, t].item())
     assert set(out.logprobs[1]) == {5, 6}  # only allowed tokens have mass
     assert sum(torch.tensor(list(out.logprobs[1].values())).exp()).item() == pytest.approx(1.0, abs=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_mask_kernel_and_the_pytorch_path_keep_exactly_the_allowed_logits(dtype):
+    vocab, gen = 1000, torch.Generator().manual_seed(4)  # 31 words and a part
+    logits = (torch.randn(5, vocab, generator=gen) * 3).to(dtype)
+    logits[3, 999] = float("inf")
+    bits = torch.randint(-(2**31), 2**31 - 1, (5, 32), dtype=torch.int32, generator=gen)
+    bits[0, :10], bits[1, 5:20] = 0, -1  # whole words clear and set: the fills and copies
+    allowed = ((bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten(1)[:, :vocab].bool()
+    want = torch.where(allowed, logits, float("-inf"))
+    rows = [SamplingRow(SamplingParams(), [], torch.tensor([]), None, (), b) for b in bits]
+    for kernel in (mask_to_allowed, None):
+        got, flags = sampler._masked_to_allowed(logits, rows, list(range(5)), kernel)
+        assert flags == [False, False, False, True, False]
+        finite = [0, 1, 2, 4]
+        assert torch.equal(got[finite].float(), want[finite].float()), kernel
 
 
 @pytest.fixture(scope="module")

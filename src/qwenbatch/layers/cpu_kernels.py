@@ -168,6 +168,14 @@ def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     return tokens.tolist(), non_finite.tolist()
 
 
+def mask_to_allowed(logits: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
+    """A copy of ``logits`` [R, vocab] where each row keeps the logits of the tokens its ``bits`` allow (int32
+    [R, words]: bit t % 32 of word t // 32) and -inf elsewhere, and whether the row itself holds an inf or a NaN, in
+    one read: the sampler's ``SamplerKernels.mask`` (layers/sampler.py)."""
+    masked, non_finite = kernels().mask_to_allowed(logits, bits)
+    return masked, non_finite.tolist()
+
+
 def sample_tokens(
     logits: torch.Tensor, settings: RowSettings, penalties: RowPenalties
 ) -> tuple[torch.Tensor, torch.Tensor]:

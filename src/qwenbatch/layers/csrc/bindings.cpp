@@ -42,6 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("slots") = py::none(),
         py::arg("out") = py::none(), no_gil);
   m.def("greedy_tokens", &greedy_tokens, "each row's argmax and whether it holds an inf or a NaN, in one pass");
+  m.def("mask_to_allowed", &mask_to_allowed, "logits -inf where a row's allowed-token bit is clear, and its flags");
   m.def("sample_tokens", &sample_tokens,
         "each row's token drawn from one uniform number after temperature, top-k, top-p and min-p (temperature 0: "
         "the argmax), after its penalties and suppressed ids",

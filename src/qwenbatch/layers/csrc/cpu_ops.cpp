@@ -207,6 +207,38 @@ void greedy_tokens_impl(const T* logits, int64_t rows, int64_t vocab, int64_t* t
   });
 }
 
+// Each row's logits where its allowed-token bits are set (bit j of word k: token 32k + j), -inf elsewhere, and
+// whether the row's own logits hold an inf or a NaN. A structured output's mask, one read and one write of the
+// row: by table and addition in PyTorch it took ~16 ms a step at 64 rows of 151,936 bf16 logits. Most words of a
+// JSON mask are all clear (a few tokens allowed) or, inside a string, all set: each is a fill or a copy.
+template <typename T>
+void mask_to_allowed_impl(const T* logits, const uint32_t* bits, int64_t rows, int64_t vocab, int64_t words, T* out,
+                          bool* non_finite) {
+  const T blocked = T(-std::numeric_limits<float>::infinity());
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* in = logits + r * vocab;
+      T* o = out + r * vocab;
+      const uint32_t* row_bits = bits + r * words;
+      float poison = 0.f;  // v * 0 is 0 for a finite v, NaN for an inf or a NaN
+#pragma omp simd reduction(+ : poison)
+      for (int64_t i = 0; i < vocab; ++i) poison += to_f32(in[i]) * 0.f;
+      non_finite[r] = std::isnan(poison);
+      for (int64_t k = 0; k * 32 < vocab; ++k) {
+        const uint32_t word = row_bits[k];
+        const int64_t base = k * 32, n = std::min<int64_t>(32, vocab - base);
+        if (word == 0) {
+          std::fill(o + base, o + base + n, blocked);
+        } else if (word == ~0u) {
+          std::copy(in + base, in + base + n, o + base);
+        } else {
+          for (int64_t j = 0; j < n; ++j) o[base + j] = (word >> j) & 1u ? in[base + j] : blocked;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 namespace {
@@ -278,4 +310,21 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_tokens(const torch::Tensor& logi
               greedy_tokens_impl<scalar_t>(lc.data_ptr<scalar_t>(), rows, vocab, tokens.data_ptr<int64_t>(),
                                            non_finite.data_ptr<bool>()));
   return {tokens, non_finite};
+}
+
+// logits: [B, vocab] float32, bfloat16 or float16; bits: int32 [B, >= ceil(vocab / 32)]. Returns (a new [B, vocab]
+// in the logits' dtype: -inf where a token's bit is clear; bool [B]: the row of logits holds an inf or a NaN).
+std::tuple<torch::Tensor, torch::Tensor> mask_to_allowed(const torch::Tensor& logits, const torch::Tensor& bits) {
+  TORCH_CHECK(logits.dim() == 2 && bits.dim() == 2 && bits.size(0) == logits.size(0), "mask_to_allowed: [B, vocab]");
+  TORCH_CHECK(bits.scalar_type() == torch::kInt32 && bits.size(1) * 32 >= logits.size(1),
+              "mask_to_allowed: bits must be int32 [B, >= ceil(vocab / 32)]");
+  const torch::Tensor lc = logits.contiguous(), bc = bits.contiguous();
+  const int64_t rows = lc.size(0), vocab = lc.size(1);
+  torch::Tensor out = torch::empty_like(lc);
+  torch::Tensor non_finite = torch::empty({rows}, lc.options().dtype(torch::kBool));
+  QB_DISPATCH(lc.scalar_type(), "mask_to_allowed",
+              mask_to_allowed_impl<scalar_t>(lc.data_ptr<scalar_t>(), reinterpret_cast<const uint32_t*>(bc.data_ptr()),
+                                             rows, vocab, bc.size(1), out.data_ptr<scalar_t>(),
+                                             non_finite.data_ptr<bool>()));
+  return {out, non_finite};
 }

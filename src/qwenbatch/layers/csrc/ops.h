@@ -28,6 +28,7 @@ std::string prefill_attention_isa();
 torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
                                 const c10::optional<torch::Tensor>& slots, const c10::optional<torch::Tensor>& out);
 std::tuple<torch::Tensor, torch::Tensor> greedy_tokens(const torch::Tensor& logits);
+std::tuple<torch::Tensor, torch::Tensor> mask_to_allowed(const torch::Tensor& logits, const torch::Tensor& bits);
 // Each row's token drawn at random after temperature, top-k, top-p and min-p, or its argmax, after its penalties and
 // suppressed ids (sampling.cpp).
 std::tuple<torch::Tensor, torch::Tensor> sample_tokens(
