@@ -73,7 +73,7 @@ def test_the_sampler_takes_only_allowed_tokens_and_flags_only_the_models_non_fin
     ]
     allowed = [[7, 90_000, 151_935], [5, 6], [1000 + 31 * i for i in range(50)], [3, 4, 40_000], None, [1, 2]]
     rows = [
-        SamplingRow(p, [9, 9], torch.tensor([7]), None, (), None if a is None else allowed_bits(a, vocab))
+        SamplingRow(p, [9, 9], torch.tensor([7]), None, (), None if a is None else lambda a=a: allowed_bits(a, vocab))
         for p, a in zip(settings, allowed, strict=True)
     ]
     for _ in range(20):
@@ -96,7 +96,7 @@ def test_the_mask_kernel_and_the_pytorch_path_keep_exactly_the_allowed_logits(dt
     bits[0, :10], bits[1, 5:20] = 0, -1  # whole words clear and set: the fills and copies
     allowed = ((bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten(1)[:, :vocab].bool()
     want = torch.where(allowed, logits, float("-inf"))
-    rows = [SamplingRow(SamplingParams(), [], torch.tensor([]), None, (), b) for b in bits]
+    rows = [SamplingRow(SamplingParams(), [], torch.tensor([]), None, (), lambda b=b: b) for b in bits]
     for kernel in (mask_to_allowed, None):
         got, flags = sampler._masked_to_allowed(logits, rows, list(range(5)), kernel)
         assert flags == [False, False, False, True, False]

@@ -352,7 +352,7 @@ class LLMEngine:
             prompt_ids,
             state.generator,
             suppressed,
-            state.grammar.allowed_token_bits() if state.grammar is not None else None,
+            state.grammar.allowed_token_bits if state.grammar is not None else None,
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:

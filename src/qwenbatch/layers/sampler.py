@@ -22,9 +22,10 @@ class SamplingRow:
     prompt_ids: torch.Tensor  # the prompt's distinct ids, sorted (int64, CPU), where the repetition penalty reads them
     generator: torch.Generator | None  # per-request RNG when the request has a seed
     suppressed_token_ids: tuple[int, ...]  # eos/stop ids banned until min_tokens is reached
-    # A structured output's tokens allowed next: int32 words (CPU), bit t % 32 of word t // 32 set where token t may
-    # come; the others' logits are -inf to the sampler and to the logprobs (as vLLM's). None: any token.
-    allowed_token_bits: torch.Tensor | None = None
+    # A structured output's tokens allowed next, asked for only when the sampler needs them (on a GPU, while the
+    # step's forward runs): int32 words (CPU), bit t % 32 of word t // 32 set where token t may come; the others'
+    # logits are -inf to the sampler and to the logprobs (as vLLM's). None: any token.
+    allowed_token_bits: Callable[[], torch.Tensor] | None = None
 
 
 @dataclass
@@ -162,7 +163,7 @@ def _masked_to_allowed(
     device, vocab = logits.device, logits.shape[-1]
     index = torch.tensor(constrained, device=device)
     picked = logits if len(constrained) == len(rows) else logits.index_select(0, index)
-    bits = torch.stack([rows[i].allowed_token_bits for i in constrained]).to(device)
+    bits = torch.stack([rows[i].allowed_token_bits() for i in constrained]).to(device)
     if kernel is not None:
         allowed, raw_non_finite = kernel(picked, bits)
     else:
