@@ -16,7 +16,7 @@ import torch
 
 from qwenbatch.engine.request import EngineRequest, SampleState
 from qwenbatch.engine.sequence import Sequence
-from qwenbatch.engine.structured_output import GrammarCompiler, OutputGrammar
+from qwenbatch.engine.structured_output import GrammarCompiler
 from qwenbatch.inputs import PromptType, parse_prompt
 from qwenbatch.rerank import RerankFormatter
 from qwenbatch.sampling_params import SamplingDefaults, SamplingParams, StructuredOutputs
@@ -96,15 +96,12 @@ class InputProcessor:
 
     def check_structured_outputs(self, spec: StructuredOutputs) -> None:
         """ValueError, in llguidance's words, where ``spec`` is no grammar (a bad schema, regex or Lark grammar)."""
-        self._output_grammars(spec, 0)
+        self._grammar_compiler().check(spec)
 
-    def _output_grammars(self, spec: StructuredOutputs, count: int) -> list[OutputGrammar]:
+    def _grammar_compiler(self) -> GrammarCompiler:
         if self.grammars is None:
             raise ValueError("structured outputs need the model's tokenizer (this model has none)")
-        if count == 0:
-            self.grammars.check(spec)
-            return []
-        return self.grammars.grammars(spec, count)
+        return self.grammars
 
     # -- generation ---------------------------------------------------------------------------------
 
@@ -148,7 +145,8 @@ class InputProcessor:
         ]
         samples = [self._sample_state(params, i) for i in range(params.n)]
         if params.structured_outputs is not None:
-            for state, grammar in zip(samples, self._output_grammars(params.structured_outputs, params.n), strict=True):
+            grammars = self._grammar_compiler().grammars(params.structured_outputs, params.n)
+            for state, grammar in zip(samples, grammars, strict=True):
                 state.grammar = grammar
         return EngineRequest(
             request_id, prompt_text, token_ids, seqs, samples, stream, priority, arrival_time=time.monotonic()
