@@ -13,6 +13,8 @@ MAX_STOP_TOKEN_IDS = 256
 # vLLM's threshold: a smaller temperature (1e-300 is 0 in float32, a division by zero) means greedy.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each bias
+MAX_LOGIT_BIAS_TOKENS = 1024  # a bound so one request's dict cannot slow every step it shares
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None  # what the output must match (a JSON schema, a regex, ...)
+    logit_bias: dict[int, float] | None = None  # OpenAI's: added to these tokens' logits before sampling
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -135,6 +139,20 @@ class SamplingParams:
             fail("stop_token_ids", "must hold non-negative integers")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             fail("structured_outputs", "must be a StructuredOutputs or None")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_TOKENS:
+                fail("logit_bias", f"must map at most {MAX_LOGIT_BIAS_TOKENS} token ids to biases")
+            if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in bias):
+                fail("logit_bias", "must map non-negative token ids")
+            if any(not isinstance(b, int | float) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in bias.values()):
+                fail("logit_bias", f"must hold biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list | tuple) or not ids:
+                fail("allowed_token_ids", "must be a non-empty list of token ids or None")
+            if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+                fail("allowed_token_ids", "must hold non-negative integers")
 
     @property
     def greedy(self) -> bool:

@@ -18,6 +18,7 @@ from qwenbatch.engine.request import EngineRequest, SampleState
 from qwenbatch.engine.sequence import Sequence
 from qwenbatch.engine.structured_output import GrammarCompiler
 from qwenbatch.inputs import PromptType, parse_prompt
+from qwenbatch.layers.sampler import token_bits
 from qwenbatch.rerank import RerankFormatter
 from qwenbatch.sampling_params import SamplingDefaults, SamplingParams, StructuredOutputs
 from qwenbatch.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -94,6 +95,16 @@ class InputProcessor:
             raise ValueError(f"token ids must be integers in [0, {self.vocab_size})")
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
+    def check_token_ids_of(self, params: SamplingParams) -> None:
+        """ValueError naming the parameter where ``params`` names a token outside the vocabulary."""
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            if any(t >= self.vocab_size for t in ids):
+                raise ValueError(f"{name} must hold token ids in [0, {self.vocab_size})")
+
     def check_structured_outputs(self, spec: StructuredOutputs) -> None:
         """ValueError, in llguidance's words, where ``spec`` is no grammar (a bad schema, regex or Lark grammar)."""
         self._grammar_compiler().check(spec)
@@ -122,8 +133,7 @@ class InputProcessor:
         _check_priority(priority)
         prompt_text, token_ids = self._tokenize(parse_prompt(prompt), truncate_prompt_tokens)
         self._check_token_ids(token_ids)
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size})")
+        self.check_token_ids_of(params)
         n_prompt = len(token_ids)
         if n_prompt >= self.max_model_len:
             raise ValueError(
@@ -148,9 +158,12 @@ class InputProcessor:
             grammars = self._grammar_compiler().grammars(params.structured_outputs, params.n)
             for state, grammar in zip(samples, grammars, strict=True):
                 state.grammar = grammar
-        return EngineRequest(
+        request = EngineRequest(
             request_id, prompt_text, token_ids, seqs, samples, stream, priority, arrival_time=time.monotonic()
         )
+        if params.allowed_token_ids is not None:
+            request.allowed_token_bits = token_bits(params.allowed_token_ids, self.vocab_size)
+        return request
 
     def _tokenize(self, prompt: str | list[int], truncate_prompt_tokens: int | None) -> tuple[str | None, list[int]]:
         if not isinstance(prompt, str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -23,7 +24,7 @@ from qwenbatch.engine.request import EngineRequest
 from qwenbatch.engine.scheduler import Scheduler
 from qwenbatch.engine.sequence import Sequence
 from qwenbatch.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
-from qwenbatch.engine.structured_output import GrammarCompiler
+from qwenbatch.engine.structured_output import GrammarCompiler, OutputGrammar
 from qwenbatch.layers.host_allocator import cache_step_buffers, return_cached_buffers
 from qwenbatch.layers.sampler import NO_PROMPT_IDS, SamplingRow
 from qwenbatch.loader import load_model, resolve_model_dir
@@ -352,9 +353,21 @@ class LLMEngine:
             prompt_ids,
             state.generator,
             suppressed,
-            state.grammar.allowed_token_bits if state.grammar is not None else None,
+            _allowed_token_bits(state.grammar, request.allowed_token_bits),
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
+
+
+def _allowed_token_bits(
+    grammar: OutputGrammar | None, allowed: torch.Tensor | None
+) -> Callable[[], torch.Tensor] | None:
+    """What a sequence may sample next, asked for when the sampler needs it: its structured output's match and its
+    request's allowed_token_ids, both where both are set; None where neither is."""
+    if grammar is None:
+        return None if allowed is None else lambda: allowed
+    if allowed is None:
+        return grammar.allowed_token_bits
+    return lambda: grammar.allowed_token_bits() & allowed

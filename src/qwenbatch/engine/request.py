@@ -52,6 +52,8 @@ class EngineRequest:
     # The prompt's distinct ids, sorted (int64), made by the engine on the first step whose repetition penalty reads
     # them and kept: one pass over a long prompt a step was ~0.3 ms a sequence at 2,048 tokens.
     distinct_prompt_ids: torch.Tensor | None = None
+    # allowed_token_ids as the sampler's bits (int32), made once with the request; None: any token.
+    allowed_token_bits: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:

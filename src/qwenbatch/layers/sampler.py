@@ -139,18 +139,38 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], kernels: SamplerKernel
     constrained = [i for i, r in enumerate(rows) if r.allowed_token_bits is not None]
     if constrained:
         logits, raw_non_finite = _masked_to_allowed(logits, rows, constrained, kernels.mask)
+    # OpenAI's logit_bias moves the draw, not the logprobs (vLLM's order too).
+    biased = _with_logit_bias(logits, rows) if any(r.params.logit_bias for r in rows) else logits
     if kernels.greedy is not None and all(r.params.greedy and _plain(r) for r in rows):
-        token_ids, non_finite = kernels.greedy(logits)
+        token_ids, non_finite = kernels.greedy(biased)
         out = SamplerOutput(token_ids, [None] * len(rows), non_finite)
     else:
         if kernels.sample is not None:
-            token_ids, non_finite = _tokens_on_kernels(logits, rows, kernels)
+            token_ids, non_finite = _tokens_on_kernels(biased, rows, kernels)
         else:
-            token_ids, non_finite = _tokens_on_torch(logits, rows)
+            token_ids, non_finite = _tokens_on_torch(biased, rows)
         out = SamplerOutput(token_ids, _logprobs(logits, rows, token_ids, kernels.logprobs), non_finite)
     for i, flag in zip(constrained, raw_non_finite if constrained else (), strict=True):
         out.non_finite[i] = flag  # the mask's -inf are not the model's
     return out
+
+
+def _with_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """A copy of ``logits`` with each row's ``logit_bias`` added at its token ids."""
+    at = [(i, token, bias) for i, r in enumerate(rows) for token, bias in (r.params.logit_bias or {}).items()]
+    row_ids, token_ids, biases = zip(*at, strict=True)
+    biased = logits.clone()
+    index = (torch.tensor(row_ids, device=logits.device), torch.tensor(token_ids, device=logits.device))
+    biased.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
+    return biased
+
+
+def token_bits(token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """``token_ids`` as allowed-token bits (``SamplingRow.allowed_token_bits``' form): int32 [ceil(vocab_size /
+    32)], bit t % 32 of word t // 32 set for each t."""
+    allowed = torch.zeros((vocab_size + 31) // 32 * 32, dtype=torch.bool)
+    allowed[torch.tensor(list(token_ids), dtype=torch.long)] = True
+    return (allowed.view(-1, 32).to(torch.int64) << torch.arange(32)).sum(dim=-1).to(torch.int32)
 
 
 def _masked_to_allowed(

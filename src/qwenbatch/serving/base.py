@@ -54,9 +54,13 @@ class OpenAIServing:
         except (EngineNotReadyError, ValueError) as e:
             raise engine_error(e, param) from e
 
-    async def check_structured_outputs(self, req: _SamplingFields, params: SamplingParams) -> None:
-        """400 naming the field where the request's structured output is no grammar (a bad JSON schema, regex or
-        Lark grammar), before anything is tokenized."""
+    async def check_params(self, req: _SamplingFields, params: SamplingParams, inputs: InputProcessor) -> None:
+        """400 naming the field where the request names a token outside the vocabulary, or where its structured
+        output is no grammar (a bad JSON schema, regex or Lark grammar), before anything is tokenized."""
+        try:
+            inputs.check_token_ids_of(params)
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split()[0]) from e
         spec = params.structured_outputs
         if spec is not None:
             await self.process(lambda inputs: inputs.check_structured_outputs(spec), param=structured_param(req))
@@ -164,6 +168,8 @@ def sampling_params(
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        logit_bias=req.logit_bias,
+        allowed_token_ids=req.allowed_token_ids,
     )
     values["structured_outputs"] = structured_outputs(req)
     try:

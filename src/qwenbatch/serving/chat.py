@@ -47,7 +47,7 @@ class OpenAIServingChat(OpenAIServing):
         top_logprobs = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = sampling_params(body, max_tokens, top_logprobs if body.logprobs else None, inputs.sampling_defaults)
-        await self.check_structured_outputs(body, params)
+        await self.check_params(body, params, inputs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         truncate = body.truncate_prompt_tokens
         if truncate is None:

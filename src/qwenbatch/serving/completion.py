@@ -38,7 +38,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = prompt_list(body.prompt)
         inputs = self.admit(body.model, len(prompts) * body.n, param="prompt")
         params = sampling_params(body, body.max_tokens, body.logprobs, inputs.sampling_defaults)
-        await self.check_structured_outputs(body, params)
+        await self.check_params(body, params, inputs)
         base_id = f"cmpl-{uuid.uuid4().hex}"
 
         def tokenize(inputs: InputProcessor) -> list[EngineRequest]:

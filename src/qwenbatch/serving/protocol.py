@@ -140,6 +140,8 @@ class _SamplingFields(_Request):
     priority: Priority = 0
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    logit_bias: dict[int, float] | None = None  # OpenAI's; JSON's keys are the ids' digits
+    allowed_token_ids: list[NonNegativeInt] | None = None
 
 
 class _TemplateFields(_Request):
