@@ -52,14 +52,19 @@ class Tokenizer:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict], enable_thinking: bool | None = None, add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        enable_thinking: bool | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> str:
-        """Render ``messages`` with the model's template; ``enable_thinking`` is Qwen3's switch."""
+        """Render ``messages`` with the model's template; ``enable_thinking`` is Qwen3's switch, ``tools`` the
+        functions it offers the model (OpenAI's ``tools``)."""
         if self.hf.chat_template is None:
             raise ValueError("this model has no chat template; use generate() with plain prompts")
         kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         return self.hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
 
 
@@ -160,7 +165,7 @@ class ReasoningStream:
                 self.pending, self.state = self.pending[at + len(THINK_END) :], "answer"
                 self.thought = True
             else:
-                keep = _partial_suffix(self.pending, THINK_END)
+                keep = partial_suffix(self.pending, THINK_END)
                 body = self.pending[: len(self.pending) - keep]
                 cut = len(body.rstrip())  # trailing whitespace waits: it is stripped if </think> follows
                 reasoning, self.pending = body[:cut], self.pending[cut:]
@@ -179,7 +184,7 @@ class ReasoningStream:
         return "", rest
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):

@@ -69,13 +69,18 @@ class InputProcessor:
             )
 
     def chat_prompt(
-        self, messages: list[dict], enable_thinking: bool | None = None, add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        enable_thinking: bool | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> str:
-        """The conversation through the model's chat template; ValueError if it has none or it fails."""
+        """The conversation (offering ``tools``) through the model's chat template; ValueError if it has none or it
+        fails."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer (dummy weights); use completions with token ids")
         try:
-            return self.tokenizer.apply_chat_template(messages, enable_thinking, add_generation_prompt)
+            return self.tokenizer.apply_chat_template(messages, enable_thinking, add_generation_prompt, tools)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise ValueError(f"cannot apply the chat template: {e}") from e
 

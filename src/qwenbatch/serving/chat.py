@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,11 +25,13 @@ from qwenbatch.serving.protocol import (
     ChatCompletionRequest,
     ChoiceLogprobs,
     DeltaMessage,
+    DeltaToolCall,
     TokenLogprob,
     TopLogprob,
     Usage,
     message_dicts,
 )
+from qwenbatch.serving.tool_calls import OPEN, ToolCallStream, forced_calls, parse_tool_calls, parses_tool_calls
 from qwenbatch.tokenizer import THINK_END, THINK_START, ReasoningStream, Tokenizer, split_reasoning
 
 
@@ -47,6 +50,12 @@ class OpenAIServingChat(OpenAIServing):
         top_logprobs = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = sampling_params(body, max_tokens, top_logprobs if body.logprobs else None, inputs.sampling_defaults)
+        forced = forced_calls(body, tokenizer.has_token(OPEN))
+        if forced is not None:
+            if params.structured_outputs is not None:
+                raise APIError(400, "tool_choice required or a named function is a structured output itself: drop "
+                               "response_format and structured_outputs", param="tool_choice")  # fmt: skip
+            params = dataclasses.replace(params, structured_outputs=forced)
         await self.check_params(body, params, inputs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         truncate = body.truncate_prompt_tokens
@@ -58,7 +67,7 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(400, str(e), param="messages") from e
 
         def tokenize(inputs: InputProcessor) -> tuple[str, EngineRequest]:
-            prompt = inputs.chat_prompt(messages, body.thinking(), body.add_generation_prompt)
+            prompt = inputs.chat_prompt(messages, body.thinking(), body.add_generation_prompt, body.tool_dicts())
             return prompt, inputs.make_request(request_id, prompt, params, body.stream, priority, truncate)
 
         prompt, request = await self.process(tokenize, param="messages")
@@ -71,6 +80,7 @@ class OpenAIServingChat(OpenAIServing):
             opened=prompt.rstrip().endswith(THINK_START),
             return_reasoning=body.return_reasoning is not False,
             top_logprobs=top_logprobs if body.logprobs else None,
+            tool_calls=parses_tool_calls(body),
         )
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -80,6 +90,11 @@ class OpenAIServingChat(OpenAIServing):
         choices = [view.choice(c) for c in output.outputs]
         totals = usage(output.num_prompt_tokens, output.num_output_tokens)
         return ChatCompletion(id=request_id, created=view.created, model=view.model, choices=choices, usage=totals)
+
+
+def _finish_reason(c: CompletionOutput, calls: list) -> str | None:
+    """OpenAI's "tool_calls" where an output that ended by itself made calls; "length" still says one was cut."""
+    return "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
 
 
 class _ChatView:
@@ -94,20 +109,28 @@ class _ChatView:
         opened: bool,
         return_reasoning: bool,
         top_logprobs: int | None,
+        tool_calls: bool = False,
     ) -> None:
         self.request_id, self.model, self.tokenizer = request_id, model, tokenizer
         self.thinking, self.opened, self.return_reasoning = thinking, opened, return_reasoning
         self.top_logprobs = top_logprobs
+        self.tool_calls = tool_calls  # the content is read for Qwen's <tool_call> blocks
         self.created = int(time.time())
         self.parsers: dict[int, ReasoningStream] = {}
+        self.call_streams: dict[int, ToolCallStream] = {}
 
     def choice(self, c: CompletionOutput) -> ChatChoice:
         reasoning, content = split_reasoning(c.text, self.opened) if self.thinking else (None, c.text)
-        message = AssistantMessage(content=content, reasoning_content=reasoning if self.return_reasoning else None)
+        calls = []
+        if self.tool_calls:
+            content, calls = parse_tool_calls(content)
+        message = AssistantMessage(
+            content=content, reasoning_content=reasoning if self.return_reasoning else None, tool_calls=calls or None
+        )
         return ChatChoice(
             index=c.index,
             message=message,
-            finish_reason=c.finish_reason,
+            finish_reason=_finish_reason(c, calls),
             logprobs=self.logprobs(c),
             stop_reason=c.stop_reason,
         )
@@ -128,12 +151,22 @@ class _ChatView:
                 reasoning, content = reasoning + more_reasoning, content + more_content
             if not self.return_reasoning:
                 reasoning = ""
+        calls = []
+        if self.tool_calls:
+            stream = self.call_streams.setdefault(c.index, ToolCallStream())
+            content = stream.feed(content)
+            if c.finished:
+                rest, calls = stream.finish()
+                content += rest
         if not content and not reasoning and not c.finished and not c.token_ids:
             return None
         delta = DeltaMessage(content=content or None, reasoning_content=reasoning or None)
+        if calls:
+            delta.tool_calls = [DeltaToolCall(index=i, id=t.id, function=t.function) for i, t in enumerate(calls)]
         if delta.content is None and delta.reasoning_content is None and not c.finished:
             delta.content = ""  # a token that is held back still counts for logprobs
-        return ChatChunkChoice(index=c.index, delta=delta, finish_reason=c.finish_reason, logprobs=self.logprobs(c))
+        finish_reason = _finish_reason(c, calls)
+        return ChatChunkChoice(index=c.index, delta=delta, finish_reason=finish_reason, logprobs=self.logprobs(c))
 
     def logprobs(self, c: CompletionOutput) -> ChoiceLogprobs | None:
         if self.top_logprobs is None or c.logprobs is None:

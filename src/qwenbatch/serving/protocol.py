@@ -7,6 +7,7 @@ send (top_k, min_p, repetition_penalty, ...) are accepted with vLLM's meanings.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -69,10 +70,25 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends the JSON text
+
+
+class ToolCallIn(_Request):
+    """A tool call an earlier assistant message made (sent back with the tool's answer)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant message's
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
@@ -144,6 +160,28 @@ class _SamplingFields(_Request):
     allowed_token_ids: list[NonNegativeInt] | None = None
 
 
+class FunctionDefinition(_Request):
+    name: NonEmptyStr
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDefinition(_Request):
+    """A function the model may call (OpenAI's ``tools``)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class _TemplateFields(_Request):
     """How a conversation goes through the chat template (chat completions and /tokenize share them)."""
 
@@ -151,6 +189,11 @@ class _TemplateFields(_Request):
     # Qwen clients send this at the top level (through the SDK's extra_body).
     enable_thinking: bool | None = None
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None  # the functions the template offers the model
+
+    def tool_dicts(self) -> list[dict] | None:
+        """``tools`` as the chat template takes them."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def thinking(self) -> bool | None:
         """Qwen3's enable_thinking switch: the top-level field wins over chat_template_kwargs."""
@@ -161,8 +204,31 @@ class _TemplateFields(_Request):
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """``messages`` as the chat template takes them (role and text)."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    """``messages`` as the chat template takes them: role and text, and a tool message's call id and an assistant
+    message's tool calls, their arguments as objects (as vLLM hands them to the template: Qwen's writes them
+    with ``tojson``)."""
+    dicts = []
+    for m in messages:
+        d: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            d["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _as_object(c)}}
+                for c in m.tool_calls
+            ]
+        dicts.append(d)
+    return dicts
+
+
+def _as_object(call: ToolCallIn) -> dict[str, Any] | str:
+    arguments = call.function.arguments
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments  # not JSON: the template writes the text as it came
+    return arguments
 
 
 class ChatCompletionRequest(_SamplingFields, _TemplateFields):
@@ -172,6 +238,8 @@ class ChatCompletionRequest(_SamplingFields, _TemplateFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     return_reasoning: bool | None = None
+    # None: "auto" where tools are given. "none" keeps them in the prompt and the output as text (vLLM's).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -296,10 +364,31 @@ class ChoiceLogprobs(_Response):
     content: list[TokenLogprob]
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(_Response):
+    """A tool call in a stream: sent whole, in the chunk that finishes its choice."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Response):
@@ -323,6 +412,7 @@ class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Response):

@@ -26,7 +26,8 @@ class OpenAIServingTokenization(OpenAIServing):
 
         def tokenize(inputs: InputProcessor) -> TokenizeResponse:
             if chat:
-                text = inputs.chat_prompt(message_dicts(body.messages), body.thinking(), body.add_generation_prompt)
+                messages = message_dicts(body.messages)
+                text = inputs.chat_prompt(messages, body.thinking(), body.add_generation_prompt, body.tool_dicts())
             else:
                 text = body.prompt
             special = body.add_special_tokens if body.add_special_tokens is not None else not chat
