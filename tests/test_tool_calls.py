@@ -10,6 +10,7 @@ import json
 import httpx
 import pytest
 
+from qwenbatch import LLM, SamplingParams
 from qwenbatch.serving.protocol import ChatMessage, message_dicts
 from qwenbatch.serving.tool_calls import ToolCallStream, parse_tool_calls
 
@@ -160,3 +161,12 @@ def test_a_tool_choice_that_cannot_be_met_is_400(url, fields, words):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "tool_choice" and words in error["message"], error
+
+
+def test_llm_chat_offers_tools_to_the_template(tiny_qwen3):
+    llm = LLM(model=str(tiny_qwen3), dtype="float32", kv_cache_memory=2**24)
+    conversation = [{"role": "user", "content": "Weather?"}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    [offered] = llm.chat(conversation, params, tools=[WEATHER], use_tqdm=False)
+    [plain] = llm.chat(conversation, params, use_tqdm=False)
+    assert "get_weather" in offered.prompt and "get_weather" not in plain.prompt

@@ -167,11 +167,13 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         enable_thinking: bool | None = None,
         use_tqdm: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the chat template to each conversation and generate; thinking goes to ``reasoning_content``."""
+        """Apply the chat template to each conversation (offering ``tools``, OpenAI's function definitions, as
+        vLLM's ``LLM.chat``) and generate; thinking goes to ``reasoning_content``."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.engine.inputs.chat_prompt(c, enable_thinking) for c in conversations]
+        prompts = [self.engine.inputs.chat_prompt(c, enable_thinking, tools=tools) for c in conversations]
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         if not self.tokenizer.has_token(THINK_END):
             return outputs  # not a thinking model (Qwen2.5): the text is all answer
