@@ -90,10 +90,10 @@ def forced_calls(body: ChatCompletionRequest, has_call_tokens: bool) -> Structur
     the output must match; None otherwise. ``has_call_tokens``: the tokenizer has ``<tool_call>`` as one token
     (Qwen's), which the grammar must then name as a token. 400 naming tool_choice where it names no given tool."""
     choice = body.tool_choice
-    if not body.tools or choice in (None, "none", "auto"):
-        if choice not in (None, "none", "auto"):
-            raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
+    if choice in (None, "none", "auto"):
         return None
+    if not body.tools:
+        raise APIError(400, "tool_choice required or a named function needs tools", param="tool_choice")
     functions = [t.function for t in body.tools]
     if isinstance(choice, NamedToolChoice):
         functions = [f for f in functions if f.name == choice.function.name]
