@@ -135,6 +135,7 @@ def test_outputs_match_their_schema_regex_choice_and_grammar(llm):
 def test_a_bad_schema_regex_or_grammar_is_refused_before_it_runs(llm):
     for spec, words in (
         (StructuredOutputs(regex="(unclosed"), "unclosed group"),
+        (StructuredOutputs(regex="(unclosed"), "unclosed group"),  # refused again: refusals are not cached
         (StructuredOutputs(json={"type": "nonsense"}), "nonsense"),
         (StructuredOutputs(json="{not json"), "key must be a string"),
         (StructuredOutputs(grammar="start: UNDEFINED"), "UNDEFINED"),

@@ -9,6 +9,7 @@ it the sampled token and ends the sequence once the match is complete.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from typing import TYPE_CHECKING
@@ -46,6 +47,8 @@ class GrammarCompiler:
         self._eos_token_ids = list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
+        # A batch job sends one schema thousands of times: each grammar is validated once (refusals are not kept).
+        self._validate = functools.lru_cache(maxsize=256)(self._validate_uncached)
 
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
         import llguidance.hf
@@ -60,13 +63,16 @@ class GrammarCompiler:
     def check(self, spec: StructuredOutputs) -> str:
         """``spec``'s grammar; ValueError with llguidance's words where it is not one (a bad schema, regex or
         grammar)."""
+        grammar = grammar_text(spec)
+        self._validate(grammar)
+        return grammar
+
+    def _validate_uncached(self, grammar: str) -> None:
         import llguidance
 
-        grammar = grammar_text(spec)
         error = llguidance.LLMatcher.validate_grammar(grammar, self._ll_tokenizer())
         if error:
             raise ValueError(f"structured output: {error.strip()}")
-        return grammar
 
     def grammars(self, spec: StructuredOutputs, count: int) -> list[OutputGrammar]:
         """``count`` fresh matches of ``spec`` (one for each of a request's sequences); ValueError as ``check``."""
