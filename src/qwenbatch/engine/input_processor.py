@@ -100,21 +100,22 @@ class InputProcessor:
             raise ValueError(f"token ids must be integers in [0, {self.vocab_size})")
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
-    def token_ids_outside_vocabulary(self, params: SamplingParams) -> str | None:
-        """The parameter of ``params`` that names a token outside the vocabulary (the first), or None."""
+    def token_ids_outside_vocabulary(self, params: SamplingParams) -> tuple[str, str] | None:
+        """The first parameter of ``params`` that names a token outside the vocabulary, and the refusal's words;
+        None where every id is in it."""
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", params.logit_bias or ()),
             ("allowed_token_ids", params.allowed_token_ids or ()),
         ):
             if any(t >= self.vocab_size for t in ids):
-                return name
+                return name, f"{name} must hold token ids in [0, {self.vocab_size})"
         return None
 
     def check_token_ids_of(self, params: SamplingParams) -> None:
         """ValueError naming the parameter where ``params`` names a token outside the vocabulary."""
-        if name := self.token_ids_outside_vocabulary(params):
-            raise ValueError(f"{name} must hold token ids in [0, {self.vocab_size})")
+        if outside := self.token_ids_outside_vocabulary(params):
+            raise ValueError(outside[1])
 
     def check_structured_outputs(self, spec: StructuredOutputs) -> None:
         """ValueError, in llguidance's words, where ``spec`` is no grammar (a bad schema, regex or Lark grammar)."""

@@ -137,6 +137,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], kernels: SamplerKernel
     """
     kernels = kernels or SamplerKernels()
     constrained = [i for i, r in enumerate(rows) if r.allowed_token_bits is not None]
+    raw_non_finite: list[bool] = []
     if constrained:
         logits, raw_non_finite = _masked_to_allowed(logits, rows, constrained, kernels.mask)
     # OpenAI's logit_bias moves the draw, not the logprobs (vLLM's order too).
@@ -150,7 +151,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], kernels: SamplerKernel
         else:
             token_ids, non_finite = _tokens_on_torch(biased, rows)
         out = SamplerOutput(token_ids, _logprobs(logits, rows, token_ids, kernels.logprobs), non_finite)
-    for i, flag in zip(constrained, raw_non_finite if constrained else (), strict=True):
+    for i, flag in zip(constrained, raw_non_finite, strict=True):
         out.non_finite[i] = flag  # the mask's -inf are not the model's
     return out
 

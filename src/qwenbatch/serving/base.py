@@ -57,8 +57,9 @@ class OpenAIServing:
     async def check_params(self, req: _SamplingFields, params: SamplingParams, inputs: InputProcessor) -> None:
         """400 naming the field where the request names a token outside the vocabulary, or where its structured
         output is no grammar (a bad JSON schema, regex or Lark grammar), before anything is tokenized."""
-        if name := inputs.token_ids_outside_vocabulary(params):
-            raise APIError(400, f"{name} must hold token ids in [0, {inputs.vocab_size})", param=name)
+        if outside := inputs.token_ids_outside_vocabulary(params):
+            name, message = outside
+            raise APIError(400, message, param=name)
         spec = params.structured_outputs
         if spec is not None:
             await self.process(lambda inputs: inputs.check_structured_outputs(spec), param=structured_param(req))
