@@ -197,7 +197,8 @@ def test_steps_pack_decodes_first_and_sample_rows_follow_scheduling_order():
     prefill = _seq(0, list(range(10)), 4, [3, 4, 5])  # a 6-token chunk at positions 4..9
     decode = _seq(1, list(range(7)), 6, [1, 2])  # position 6
     sched = SchedulerOutput([ScheduledSequence(prefill, 6, True), ScheduledSequence(decode, 1, True)])
-    layout, rows = pack_step(sched, block_size=4)
+    step = pack_step(sched, block_size=4)
+    layout, rows = step.layout, step.sample_rows
     assert layout.input_ids == [6, 4, 5, 6, 7, 8, 9]
     assert layout.positions == [6, 4, 5, 6, 7, 8, 9]
     assert layout.slot_mapping == [10, 16, 17, 18, 19, 20, 21]

@@ -38,7 +38,8 @@ def test_a_mixed_step_packs_decodes_first_with_exact_slots_positions_and_sample_
     )
     assert [s.samples for s in sched.scheduled] == [False, True, True, True]
 
-    layout, sample_rows = pack_step(sched, BS)
+    step = pack_step(sched, BS)
+    layout, sample_rows = step.layout, step.sample_rows
 
     assert layout.input_ids == [206, 403, 106, 107, 108, 304, 305]
     assert layout.positions == [6, 3, 6, 7, 8, 4, 5]
@@ -48,19 +49,23 @@ def test_a_mixed_step_packs_decodes_first_with_exact_slots_positions_and_sample_
     assert layout.prefills == [PrefillChunk(2, 3, 9, [7, 3, 9]), PrefillChunk(5, 2, 6, [2, 6])]
     # In scheduling order, each sampling sequence's row: decode_a's, last_chunk's last token, decode_b's.
     assert sample_rows == [0, 6, 1]
+    # In scheduling order, each sequence's first row (where a prompt chunk's logprobs start).
+    assert step.first_rows == [2, 0, 5, 1]
 
 
 def test_a_prompt_in_two_chunks_samples_only_after_the_last():
     prompt = list(range(50, 59))  # 9 tokens, blocks 5, 1, 4
     seq = make_seq(0, prompt, [], [5, 1, 4], computed=0)
-    layout, sample_rows = pack_step(SchedulerOutput([scheduled(seq, 5)]), BS)
+    step = pack_step(SchedulerOutput([scheduled(seq, 5)]), BS)
+    layout, sample_rows = step.layout, step.sample_rows
     assert (layout.input_ids, layout.positions) == (prompt[:5], [0, 1, 2, 3, 4])
     assert layout.slot_mapping == [20, 21, 22, 23, 4]
     assert layout.prefills == [PrefillChunk(0, 5, 5, [5, 1, 4])]
     assert sample_rows == []
 
     seq.num_computed_tokens = 5
-    layout, sample_rows = pack_step(SchedulerOutput([scheduled(seq, 4)]), BS)
+    step = pack_step(SchedulerOutput([scheduled(seq, 4)]), BS)
+    layout, sample_rows = step.layout, step.sample_rows
     assert (layout.input_ids, layout.positions) == (prompt[5:], [5, 6, 7, 8])
     assert layout.slot_mapping == [5, 6, 7, 16]
     assert layout.prefills == [PrefillChunk(0, 4, 9, [5, 1, 4])]
@@ -69,7 +74,8 @@ def test_a_prompt_in_two_chunks_samples_only_after_the_last():
 
 def test_a_prompt_cached_up_to_its_last_token_is_packed_as_a_decode_row():
     seq = make_seq(0, list(range(9)), [], [3, 0, 2], computed=8)
-    layout, sample_rows = pack_step(SchedulerOutput([scheduled(seq, 1)]), BS)
+    step = pack_step(SchedulerOutput([scheduled(seq, 1)]), BS)
+    layout, sample_rows = step.layout, step.sample_rows
     assert (layout.input_ids, layout.positions, layout.slot_mapping) == ([8], [8], [2 * 4 + 0])
     assert (layout.decode_tables, layout.decode_lens, layout.prefills) == ([[3, 0, 2]], [9], [])
     assert sample_rows == [0]
@@ -77,7 +83,8 @@ def test_a_prompt_cached_up_to_its_last_token_is_packed_as_a_decode_row():
 
 def test_a_one_token_prompt_is_a_prefill_and_samples():
     seq = make_seq(0, [42], [], [6], computed=0)
-    layout, sample_rows = pack_step(SchedulerOutput([scheduled(seq, 1)]), BS)
+    step = pack_step(SchedulerOutput([scheduled(seq, 1)]), BS)
+    layout, sample_rows = step.layout, step.sample_rows
     assert (layout.input_ids, layout.positions, layout.slot_mapping) == ([42], [0], [24])
     assert layout.num_decodes == 0
     assert layout.prefills == [PrefillChunk(0, 1, 1, [6])]
@@ -89,7 +96,8 @@ def test_a_one_token_mid_prompt_chunk_is_a_decode_row_that_samples_nothing():
     # must not sample, beside a real decode that must.
     chunk = make_seq(0, list(range(10, 19)), [], [4, 7, 1], computed=5)
     decode = make_seq(1, [60, 61], [62], [3], computed=2)
-    layout, sample_rows = pack_step(SchedulerOutput([scheduled(chunk, 1), scheduled(decode, 1)]), BS)
+    step = pack_step(SchedulerOutput([scheduled(chunk, 1), scheduled(decode, 1)]), BS)
+    layout, sample_rows = step.layout, step.sample_rows
     assert (layout.input_ids, layout.positions, layout.slot_mapping) == ([15, 62], [5, 2], [7 * 4 + 1, 3 * 4 + 2])
     assert (layout.decode_lens, layout.prefills) == ([6, 3], [])
     assert sample_rows == [1]

@@ -49,6 +49,11 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     score: float | None = None  # a scoring request's P(yes) (reranker); outputs is empty then
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, then {token id: logprob} holding the
+    # prompt's token and the top ones at that position; and the prompt token's rank there (1: the likeliest). A
+    # streaming request has them in its first output only.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ranks: list[int | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -77,6 +77,8 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs returned per generated token
+    # vLLM's: per prompt token after the first, its logprob given those before it and the top logprobs there.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None  # what the output must match (a JSON schema, a regex, ...)
@@ -124,6 +126,10 @@ class SamplingParams:
             fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             fail("logprobs", "must be an integer in [0, 20] or None")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            fail("prompt_logprobs", "must be an integer in [0, 20] or None")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", "must be an integer or None")
         if len(self.stop) > MAX_STOP_STRINGS:

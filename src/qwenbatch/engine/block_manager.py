@@ -75,8 +75,9 @@ class BlockManager:
         return hashes[: num_tokens // bs]
 
     def num_cached_tokens(self, seq: Sequence) -> int:
-        """How many leading tokens of ``seq`` the cache holds now (the last token never counts)."""
-        if not self.enable_prefix_caching:
+        """How many leading tokens of ``seq`` the cache holds now (the last token never counts; none while its
+        prompt's logprobs are wanted)."""
+        if not self.enable_prefix_caching or seq.prompt_logprobs_from is not None:
             return 0
         count = 0
         for i, h in enumerate(self._full_block_hashes(seq, seq.num_tokens - 1)):

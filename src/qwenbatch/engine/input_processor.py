@@ -175,6 +175,9 @@ class InputProcessor:
         )
         if params.allowed_token_ids is not None:
             request.allowed_token_bits = token_bits(params.allowed_token_ids, self.vocab_size)
+        if params.prompt_logprobs is not None:  # computed once, by the first sequence
+            request.prompt_logprobs, request.prompt_token_ranks = [None], [None]
+            seqs[0].prompt_logprobs_from = 0 if n_prompt > 1 else None
         return request
 
     def _tokenize(self, prompt: str | list[int], truncate_prompt_tokens: int | None) -> tuple[str | None, list[int]]:

@@ -18,7 +18,7 @@ from qwenbatch.config import EngineConfig
 from qwenbatch.engine.block_manager import BlockManager
 from qwenbatch.engine.input_processor import InputProcessor
 from qwenbatch.engine.memory import gpu_kv_cache_budget, kv_cache_budget, num_kv_blocks, release_freed_heap
-from qwenbatch.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
+from qwenbatch.engine.model_runner import ModelRunner, PromptLogprobsChunk, kv_cache_bytes_per_token
 from qwenbatch.engine.output_processor import OutputProcessor
 from qwenbatch.engine.request import EngineRequest
 from qwenbatch.engine.scheduler import Scheduler
@@ -257,6 +257,8 @@ class LLMEngine:
         now = time.monotonic()
         self._stats.num_batched_tokens += sched.num_batched_tokens
         for s in sched.scheduled:
+            if s.seq.prompt_logprobs_from is not None:
+                self._record_prompt_logprobs(s.seq, result.prompt_logprobs[s.seq.seq_id], s.num_new_tokens)
             s.seq.num_computed_tokens += s.num_new_tokens
         sampled = [s.seq for s in sched.scheduled if s.samples and not s.seq.score_only]
         scored = [s.seq for s in sched.scheduled if s.samples and s.seq.score_only]
@@ -284,6 +286,17 @@ class LLMEngine:
         if self._caches_step_buffers and not self.scheduler.has_unfinished():
             return_cached_buffers()
         return outputs
+
+    def _record_prompt_logprobs(self, seq: Sequence, chunk: PromptLogprobsChunk, num_new_tokens: int) -> None:
+        """Append a prompt chunk's logprobs to its request's; the sequence wants none once the prompt's are all in."""
+        req = self._requests[seq.request_id]
+        assert req.prompt_logprobs is not None and req.prompt_token_ranks is not None
+        assert chunk.start + 1 == len(req.prompt_logprobs), "prompt logprobs out of order"
+        req.prompt_logprobs += chunk.logprobs
+        req.prompt_token_ranks += chunk.ranks
+        last = seq.num_prompt_tokens - 1  # the last prompt position predicts the output
+        done = max(seq.prompt_logprobs_from, min(seq.num_computed_tokens + num_new_tokens, last))
+        seq.prompt_logprobs_from = None if done >= last else done
 
     def _record_score(self, req: EngineRequest, now: float) -> None:
         req.first_token_time = now

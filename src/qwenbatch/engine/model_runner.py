@@ -14,7 +14,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from qwenbatch.engine.scheduler import SchedulerOutput
+from qwenbatch.engine.scheduler import ScheduledSequence, SchedulerOutput
 from qwenbatch.layers.attention import (
     AttentionMetadata,
     KernelAttentionMetadata,
@@ -25,7 +25,7 @@ from qwenbatch.layers.cpu_kernels import greedy_tokens, mask_to_allowed, sample_
 from qwenbatch.layers.cpu_kernels import kernels as cpu_kernel_module
 from qwenbatch.layers.opaque_attention import step_attention
 from qwenbatch.layers.prefill_choice import OURS, SDPA
-from qwenbatch.layers.sampler import NO_PROMPT_IDS, SamplerKernels, SamplingRow, sample
+from qwenbatch.layers.sampler import NO_PROMPT_IDS, SamplerKernels, SamplingRow, prompt_logprobs, sample
 from qwenbatch.loader.kernels import ModelKernels
 from qwenbatch.models.config import ModelConfig
 from qwenbatch.sampling_params import SamplingParams
@@ -33,15 +33,29 @@ from qwenbatch.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits are held at once (256 x a 152k vocabulary: 156 MB)
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """The prompt logprobs of positions [start, start + len(logprobs)) of one sequence: per position, {token id:
+    logprob} of the next prompt token and the top ones, and that token's rank."""
+
+    start: int
+    logprobs: list[dict[int, float]]
+    ranks: list[int]
+
+
 @dataclass
 class ModelRunnerOutput:
-    """One sampled token per generating sequence that sampled this step, in scheduling order, and one
-    score per scoring sequence that finished its prompt."""
+    """One sampled token per generating sequence that sampled this step, in scheduling order, one score per
+    scoring sequence that finished its prompt, and the prompt logprobs of this step's chunks, by sequence id."""
 
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
     non_finite: list[bool]  # the sequence's logits held NaN/inf
     scores: list[float] = field(default_factory=list)  # P(yes), per score-only sequence, in scheduling order
+    prompt_logprobs: dict[int, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -49,25 +63,36 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return cfg.kv_bytes_per_token * torch.tensor([], dtype=dtype).element_size()
 
 
-def pack_step(sched: SchedulerOutput, block_size: int) -> tuple[StepLayout, list[int]]:
-    """The step's packed layout (decoding sequences first) and, per sampling sequence in scheduling
-    order, the row whose hidden state it samples from."""
+@dataclass
+class PackedStep:
+    """A scheduled step as one flat batch: its layout (decoding sequences first), per sampling sequence in
+    scheduling order the row whose hidden state it samples from, and per scheduled index the row of its first
+    token."""
+
+    layout: StepLayout
+    sample_rows: list[int]
+    first_rows: list[int]
+
+
+def pack_step(sched: SchedulerOutput, block_size: int) -> PackedStep:
+    """Pack ``sched``'s tokens: decodes first, then prefill chunks."""
     layout = StepLayout(block_size)
-    last_row: dict[int, int] = {}
+    first_rows = [0] * len(sched.scheduled)
     prefills = []
     for i, s in enumerate(sched.scheduled):
         seq, start = s.seq, s.seq.num_computed_tokens
         if s.num_new_tokens == 1 and start > 0:
-            last_row[i] = layout.num_tokens
+            first_rows[i] = layout.num_tokens
             layout.add_decode(seq.token_ids[start], seq.block_table, start + 1)
         else:
             prefills.append(i)
     for i in prefills:
         s = sched.scheduled[i]
         start = s.seq.num_computed_tokens
+        first_rows[i] = layout.num_tokens
         layout.add_prefill(s.seq.token_ids[start : start + s.num_new_tokens], s.seq.block_table, start)
-        last_row[i] = layout.num_tokens - 1
-    return layout, [last_row[i] for i, s in enumerate(sched.scheduled) if s.samples]
+    sample_rows = [first_rows[i] + s.num_new_tokens - 1 for i, s in enumerate(sched.scheduled) if s.samples]
+    return PackedStep(layout, sample_rows, first_rows)
 
 
 class ModelRunner:
@@ -211,18 +236,39 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, rows: list[SamplingRow]) -> ModelRunnerOutput:
         """Run one step; ``rows`` describes, in order, each scheduled sequence that samples."""
-        layout, sample_rows = pack_step(sched, self.block_size)
-        hidden = self._forward(layout, self.kv_caches)
+        packed = pack_step(sched, self.block_size)
+        hidden = self._forward(packed.layout, self.kv_caches)
         sampling = [s.seq for s in sched.scheduled if s.samples]
-        generate_rows = [r for r, seq in zip(sample_rows, sampling, strict=True) if not seq.score_only]
-        score_rows = [r for r, seq in zip(sample_rows, sampling, strict=True) if seq.score_only]
+        generate_rows = [r for r, seq in zip(packed.sample_rows, sampling, strict=True) if not seq.score_only]
+        score_rows = [r for r, seq in zip(packed.sample_rows, sampling, strict=True) if seq.score_only]
         out = ModelRunnerOutput([], [], [])
         if generate_rows:
             sampled = sample(self.model.compute_logits(hidden[generate_rows]), rows, self._sampler_kernels)
             out.token_ids, out.logprobs, out.non_finite = sampled.token_ids, sampled.logprobs, sampled.non_finite
         if score_rows:
             out.scores = self._scores(hidden[score_rows])
+        for i, s in enumerate(sched.scheduled):
+            if s.seq.prompt_logprobs_from is not None:
+                out.prompt_logprobs[s.seq.seq_id] = self._prompt_logprobs(hidden, packed.first_rows[i], s)
         return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, first_row: int, s: ScheduledSequence) -> PromptLogprobsChunk:
+        """The logprobs of the prompt tokens that this chunk's positions predict, from those not computed before
+        (a sequence preempted mid-prompt computes its chunks again)."""
+        seq, start = s.seq, s.seq.num_computed_tokens
+        begin = max(start, seq.prompt_logprobs_from)
+        end = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)  # the last prompt position predicts output
+        chunk = PromptLogprobsChunk(begin, [], [])
+        k = seq.params.prompt_logprobs
+        kernel = self._sampler_kernels.logprobs if self._sampler_kernels else None
+        for lo in range(begin, end, PROMPT_LOGPROBS_ROWS):
+            hi = min(lo + PROMPT_LOGPROBS_ROWS, end)
+            logits = self.model.compute_logits(hidden[first_row + lo - start : first_row + hi - start])
+            targets = seq.token_ids[lo + 1 : hi + 1]
+            entries, ranks = prompt_logprobs(logits, targets, k, kernel)
+            chunk.logprobs += entries
+            chunk.ranks += ranks
+        return chunk
 
     def _scores(self, hidden: torch.Tensor) -> list[float]:
         """P(yes) from a float32 softmax over the logits of "no" and "yes" only (two LM-head rows)."""

@@ -96,7 +96,15 @@ class OutputProcessor:
             )
             for seq, state in zip(req.seqs, req.samples, strict=True)
         ]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, finished=True)
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            outputs,
+            finished=True,
+            prompt_logprobs=req.prompt_logprobs,
+            prompt_token_ranks=req.prompt_token_ranks,
+        )
 
     def delta_output(self, req: EngineRequest) -> RequestOutput | None:
         """What is new since the last delta: tokens, text that no stop string can still cut, logprobs.
@@ -132,4 +140,8 @@ class OutputProcessor:
             )
         if not outputs:
             return None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, finished=req.finished)
+        out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, finished=req.finished)
+        if not req.prompt_logprobs_reported:
+            out.prompt_logprobs, out.prompt_token_ranks = req.prompt_logprobs, req.prompt_token_ranks
+            req.prompt_logprobs_reported = True
+        return out

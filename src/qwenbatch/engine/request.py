@@ -54,6 +54,11 @@ class EngineRequest:
     distinct_prompt_ids: torch.Tensor | None = None
     # allowed_token_ids as the sampler's bits (int32), made once with the request; None: any token.
     allowed_token_bits: torch.Tensor | None = None
+    # prompt_logprobs, per prompt token (None for the first): {token id: logprob} of the token and the top ones, and
+    # the token's rank (1: the likeliest); filled as the prompt's chunks run. None where not asked for.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ranks: list[int | None] | None = None
+    prompt_logprobs_reported: bool = False  # a streaming request sends them once, in its first delta
 
     @property
     def finished(self) -> bool:

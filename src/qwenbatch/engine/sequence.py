@@ -40,6 +40,10 @@ class Sequence:
     # "stop", "length", "abort" or "error" once finished (CompletionOutput.finish_reason).
     finish_reason: str | None = None
     score_only: bool = False  # a reranker pair: prefill, then P(yes) instead of a sampled token
+    # prompt_logprobs: the first position whose next prompt token's logprob is still to compute (on the request's
+    # first sequence; None when there is none, or none left). While set, no prefix-cache hit is taken: cached
+    # positions would produce no logits.
+    prompt_logprobs_from: int | None = None
     # The output's ids again, for the penalties, which read all of them every step (see output_ids_so_far).
     _output_ids: array = field(default_factory=lambda: array("q"), init=False, repr=False)
 

@@ -281,6 +281,25 @@ def _logprobs(
     return out
 
 
+def prompt_logprobs(
+    logits: torch.Tensor, targets: list[int], k: int, kernel: LogprobsKernel | None = None
+) -> tuple[list[dict[int, float]], list[int]]:
+    """Per row of ``logits`` [R, vocab] (the model's at R prompt positions): {token id: logprob} of the prompt's next
+    token ``targets[r]`` and of the ``k`` likeliest tokens, and that token's rank (1 + how many logits are larger)."""
+    rows = torch.arange(len(targets), device=logits.device)
+    target_logits = logits[rows, torch.tensor(targets, device=logits.device)]
+    lse, values, ids = (kernel or _top_logprobs)(logits, max(k, 1))
+    ranks = ((logits > target_logits[:, None]).sum(dim=-1) + 1).tolist()
+    entries = []
+    for target, target_logprob, top_values, top_ids in zip(
+        targets, (target_logits.float() - lse).tolist(), values[:, :k].tolist(), ids[:, :k].tolist(), strict=True
+    ):
+        entry = dict(zip(top_ids, top_values, strict=True))
+        entry[target] = target_logprob
+        entries.append(entry)
+    return entries, ranks
+
+
 def _top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The PyTorch path's LogprobsKernel: each row's log-sum-exp and its k largest logits less it, with their ids."""
     x = logits.float()

@@ -1,0 +1,108 @@
+"""prompt_logprobs (vLLM's): each prompt token's logprob given those before it, the top ones at each position and the
+token's rank, as an evaluation job scores texts. Checked against transformers' logits in float32, across chunked
+prefill, a cached prefix (which must be computed again), a preemption mid-prompt and streaming."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qwenbatch import LLM, SamplingParams
+
+PROMPT = [100 + (7 * i) % 150 for i in range(40)]  # 40 tokens: three chunks at a budget of 16
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint) -> torch.Tensor:
+    """transformers' log-probabilities [40, vocab] at each position of PROMPT, in float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_checkpoint), dtype=torch.float32)
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
+
+
+def assert_matches(out, reference: torch.Tensor, k: int) -> None:
+    logprobs, ranks = out.prompt_logprobs, out.prompt_token_ranks
+    assert len(logprobs) == len(ranks) == len(PROMPT)
+    assert logprobs[0] is None and ranks[0] is None
+    for i in range(1, len(PROMPT)):
+        row, token = reference[i - 1], PROMPT[i]
+        assert logprobs[i][token] == pytest.approx(row[token].item(), abs=1e-4), f"position {i}"
+        assert ranks[i] == int((row > row[token]).sum()) + 1, f"position {i}"
+        top = row.topk(k).indices.tolist()
+        assert set(logprobs[i]) == set(top) | {token}, f"position {i}"
+        for t in top:
+            assert logprobs[i][t] == pytest.approx(row[t].item(), abs=1e-4)
+
+
+def assert_same(a: list[dict[int, float] | None], b: list[dict[int, float] | None]) -> None:
+    assert [e and set(e) for e in a] == [e and set(e) for e in b]
+    for x, y in zip(a[1:], b[1:], strict=True):
+        assert x == pytest.approx(y, abs=1e-5)
+
+
+@pytest.mark.parametrize("cpu_kernels", ["on", "off"])
+def test_prompt_logprobs_equal_transformers_across_chunks(tiny_checkpoint, reference, cpu_kernels):
+    llm = LLM(str(tiny_checkpoint), dtype="float32", max_num_batched_tokens=16, cpu_kernels=cpu_kernels)
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=3, n=2)
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    assert_matches(out, reference, 3)
+    assert len(out.outputs) == 2  # both samples, the prompt's logprobs once
+    plain = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None
+    assert plain.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_a_cached_prefix_is_computed_again(tiny_qwen3):
+    llm = LLM(str(tiny_qwen3), dtype="float32", max_num_batched_tokens=16)
+    llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # caches the prompt's blocks
+    fresh = LLM(str(tiny_qwen3), dtype="float32", max_num_batched_tokens=16, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    cached = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    expected = fresh.generate([PROMPT], params, use_tqdm=False)[0]
+    assert len(cached.prompt_logprobs) == len(PROMPT)
+    assert_same(cached.prompt_logprobs, expected.prompt_logprobs)
+    assert cached.prompt_token_ranks == expected.prompt_token_ranks
+    assert all(len(entry) == 1 for entry in cached.prompt_logprobs[1:])  # k = 0: the prompt's token alone
+
+
+def test_a_sequence_preempted_mid_prompt_reports_each_position_once(tiny_qwen3):
+    llm = LLM(str(tiny_qwen3), dtype="float32", max_num_batched_tokens=16, max_num_seqs=1)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    engine.add_request("low", PROMPT, params, priority=1)
+    engine.step()  # the first 16 of its 40 prompt tokens
+    engine.add_request("high", PROMPT[:20], SamplingParams(temperature=0, max_tokens=2))
+    finished = {}
+    while engine.has_unfinished():
+        finished.update((o.request_id, o) for o in engine.step())
+    assert engine.scheduler.num_preemptions == 1
+    alone = LLM(str(tiny_qwen3), dtype="float32").generate([PROMPT], params, use_tqdm=False)[0]
+    assert_same(finished["low"].prompt_logprobs, alone.prompt_logprobs)
+    assert finished["low"].prompt_token_ranks == alone.prompt_token_ranks
+
+
+def test_a_streaming_request_sends_them_in_its_first_output(tiny_qwen3):
+    llm = LLM(str(tiny_qwen3), dtype="float32")
+    engine = llm.engine
+    engine.add_request("s", PROMPT, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2), stream=True)
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    assert len(deltas) == 4
+    assert len(deltas[0].prompt_logprobs) == len(PROMPT)
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+
+
+def test_a_one_token_prompt_has_only_the_first_entry(tiny_qwen3):
+    out = LLM(str(tiny_qwen3), dtype="float32").generate(
+        [[PROMPT[0]]], SamplingParams(max_tokens=1, prompt_logprobs=5), use_tqdm=False
+    )[0]
+    assert out.prompt_logprobs == [None] and out.prompt_token_ranks == [None]
+
+
+@pytest.mark.parametrize("value", [-1, 21, 1.5])
+def test_prompt_logprobs_out_of_range_are_refused(value):
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=value)
