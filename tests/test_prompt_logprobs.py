@@ -4,6 +4,9 @@ prefill, a cached prefix (which must be computed again), a preemption mid-prompt
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import pytest
 import torch
 
@@ -106,3 +109,84 @@ def test_a_one_token_prompt_has_only_the_first_entry(tiny_qwen3):
 def test_prompt_logprobs_out_of_range_are_refused(value):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
+
+
+# -- the server ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_qwen3):
+    """The prompt logprobs of PROMPT as the offline engine gives them (what the server must send)."""
+    llm = LLM(str(tiny_qwen3), dtype="float32")
+    return llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+
+
+def post(server, path: str, **body) -> httpx.Response:
+    return httpx.post(server.url + path, json={"model": "tiny", **body}, timeout=60)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_an_evaluation_harness_reads_it(tiny_server, offline):
+    # lm-evaluation-harness's loglikelihood request to an OpenAI-compatible completions server.
+    response = post(tiny_server, "/v1/completions", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    assert response.status_code == 200, response.text
+    logprobs = response.json()["choices"][0]["logprobs"]
+    assert len(logprobs["token_logprobs"]) == len(PROMPT) + 1
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    expected = [offline.prompt_logprobs[i][PROMPT[i]] for i in range(1, len(PROMPT))]
+    assert logprobs["token_logprobs"][1 : len(PROMPT)] == pytest.approx(expected, abs=1e-4)
+    greedy = [rank == 1 for rank in offline.prompt_token_ranks[1:]]
+    tops = logprobs["top_logprobs"][1 : len(PROMPT)]
+    assert [lp == max(top.values()) for lp, top in zip(expected, tops, strict=True)] == greedy
+    assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"] == sorted(logprobs["text_offset"])
+
+    only_prompt = post(tiny_server, "/v1/completions", prompt=PROMPT, max_tokens=0, logprobs=0, echo=True).json()
+    choice = only_prompt["choices"][0]
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
+    assert choice["text"] == tiny_server.app.state.serving.engine.inputs.decode(PROMPT)
+    assert only_prompt["usage"]["completion_tokens"] == 0
+    refused = post(tiny_server, "/v1/completions", prompt=PROMPT, max_tokens=0)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
+def test_echo_with_logprobs_streams_the_prompt_first(tiny_server, offline):
+    body = dict(prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1, echo=True, stream=True)
+    with httpx.stream("POST", tiny_server.url + "/v1/completions", json={"model": "tiny", **body}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    first = chunks[0]["choices"][0]["logprobs"]
+    assert first["token_logprobs"][0] is None
+    expected = [offline.prompt_logprobs[i][PROMPT[i]] for i in range(1, len(PROMPT))]
+    assert first["token_logprobs"][1 : len(PROMPT)] == pytest.approx(expected, abs=1e-4)
+    assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c["choices"]) == len(PROMPT) + 3
+
+
+def test_the_prompt_logprobs_field_on_completions_and_chat(tiny_server, offline):
+    response = post(tiny_server, "/v1/completions", prompt=PROMPT, max_tokens=1, prompt_logprobs=2)
+    assert response.status_code == 200, response.text
+    field = response.json()["choices"][0]["prompt_logprobs"]
+    assert len(field) == len(PROMPT) and field[0] is None
+    tokenizer = tiny_server.app.state.serving.engine.inputs.tokenizer
+    for i in range(1, len(PROMPT)):
+        entry = field[i]
+        assert {int(t) for t in entry} == set(offline.prompt_logprobs[i])
+        own = entry[str(PROMPT[i])]
+        assert own["logprob"] == pytest.approx(offline.prompt_logprobs[i][PROMPT[i]], abs=1e-4)
+        assert own["rank"] == offline.prompt_token_ranks[i]
+        assert own["decoded_token"] == tokenizer.token_text(PROMPT[i])
+        others = sorted((v for t, v in entry.items() if t != str(PROMPT[i])), key=lambda v: v["rank"])
+        assert [v["rank"] for v in others] == sorted({1, 2, 3} - {own["rank"]})[: len(others)]
+
+    chat = post(tiny_server, "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], prompt_logprobs=0)
+    assert chat.status_code == 200, chat.text
+    body = chat.json()
+    assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    plain = post(tiny_server, "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}]).json()
+    assert "prompt_logprobs" not in plain
+
+    for path, fields in (
+        ("/v1/completions", {"prompt": "Hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
+        refused = post(tiny_server, path, **fields, prompt_logprobs=1, stream=True)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+        refused = post(tiny_server, path, **fields, prompt_logprobs=21)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"

@@ -506,10 +506,13 @@ def test_completion_echo_prepends_the_prompt(client, tokenizer):
     assert echoed_ids.text == tokenizer.decode(ids, skip_special_tokens=False) + plain
 
 
-def test_completion_echo_with_logprobs_offsets_start_after_the_prompt(client):
+def test_completion_echo_with_logprobs_scores_the_prompt_then_the_output(client):
     [choice] = greedy_completion(client, PROMPTS[0], max_tokens=4, echo=True, logprobs=1).choices
     assert choice.text.startswith(PROMPTS[0])
-    assert choice.logprobs.text_offset[0] == len(PROMPTS[0])
+    logprobs = choice.logprobs
+    assert logprobs.token_logprobs[0] is None  # the prompt's first token has nothing before it
+    assert all(lp is not None for lp in logprobs.token_logprobs[1:])
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset[-4] == len(PROMPTS[0])  # the output after the prompt
 
 
 def test_completion_echo_streaming(client):

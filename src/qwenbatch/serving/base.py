@@ -14,7 +14,8 @@ from qwenbatch.engine.request import EngineRequest
 from qwenbatch.outputs import RequestOutput
 from qwenbatch.sampling_params import SamplingDefaults, SamplingParams, StructuredOutputs
 from qwenbatch.serving.errors import APIError, engine_error, unavailable
-from qwenbatch.serving.protocol import Usage, _SamplingFields
+from qwenbatch.serving.protocol import PromptLogprob, PromptLogprobs, Usage, _SamplingFields
+from qwenbatch.tokenizer import Tokenizer
 
 T = TypeVar("T")
 Streams = list[AsyncIterator[RequestOutput]]
@@ -135,6 +136,29 @@ def stream_error(error: Exception) -> dict:
     return APIError(400, str(error)).body()
 
 
+def prompt_logprobs_json(output: RequestOutput, tokenizer: Tokenizer | None) -> PromptLogprobs | None:
+    """An output's prompt logprobs as vLLM's ``prompt_logprobs`` field: per position the prompt's token (with its
+    own rank) and the top ones (ranked by their order), each with its text; None where none were asked for."""
+    if output.prompt_logprobs is None or output.prompt_token_ranks is None:
+        return None
+    entries: PromptLogprobs = [None]
+    for entry, rank, token in zip(
+        output.prompt_logprobs[1:], output.prompt_token_ranks[1:], output.prompt_token_ids[1:], strict=True
+    ):
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+        entries.append(
+            {
+                str(t): PromptLogprob(
+                    logprob=lp,
+                    rank=rank if t == token else i + 1,
+                    decoded_token=tokenizer.token_text(t) if tokenizer else str(t),
+                )
+                for i, (t, lp) in enumerate(ranked)
+            }
+        )
+    return entries
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
     return Usage(
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
@@ -145,10 +169,18 @@ _PARAM_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+) ")
 
 
 def sampling_params(
-    req: _SamplingFields, max_tokens: int | None, logprobs: int | None, defaults: SamplingDefaults
+    req: _SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    defaults: SamplingDefaults,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """The request's sampling fields as SamplingParams, ``defaults`` for those it leaves unset; 400 naming the
-    field when one is invalid."""
+    """The request's sampling fields as SamplingParams, ``defaults`` for those it leaves unset (``prompt_logprobs``:
+    where the endpoint asks for more than the field); 400 naming the field when one is invalid."""
+    if req.stream and req.prompt_logprobs is not None:  # a chunk has no place for them (vLLM refuses them too)
+        raise APIError(
+            400, "prompt_logprobs cannot be streamed; send the request with stream false", param="prompt_logprobs"
+        )
     values = dict(
         n=req.n,
         temperature=req.temperature,
@@ -169,6 +201,7 @@ def sampling_params(
         include_stop_str_in_output=req.include_stop_str_in_output,
         logit_bias=req.logit_bias,
         allowed_token_ids=req.allowed_token_ids,
+        prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
     )
     values["structured_outputs"] = structured_outputs(req)
     try:

@@ -14,7 +14,7 @@ from qwenbatch.engine.async_engine import EngineNotReadyError
 from qwenbatch.engine.input_processor import InputProcessor
 from qwenbatch.engine.request import EngineRequest
 from qwenbatch.outputs import CompletionOutput, RequestOutput
-from qwenbatch.serving.base import OpenAIServing, collect, sampling_params, stream_error, usage
+from qwenbatch.serving.base import OpenAIServing, collect, prompt_logprobs_json, sampling_params, stream_error, usage
 from qwenbatch.serving.errors import APIError
 from qwenbatch.serving.protocol import (
     AssistantMessage,
@@ -88,8 +88,14 @@ class OpenAIServingChat(OpenAIServing):
             return _stream(request, stream, view, include_usage)
         [output] = await collect(self.open_streams([request]))
         choices = [view.choice(c) for c in output.outputs]
-        totals = usage(output.num_prompt_tokens, output.num_output_tokens)
-        return ChatCompletion(id=request_id, created=view.created, model=view.model, choices=choices, usage=totals)
+        return ChatCompletion(
+            id=request_id,
+            created=view.created,
+            model=view.model,
+            choices=choices,
+            usage=usage(output.num_prompt_tokens, output.num_output_tokens),
+            prompt_logprobs=prompt_logprobs_json(output, tokenizer),
+        )
 
 
 def _finish_reason(c: CompletionOutput, calls: list) -> str | None:

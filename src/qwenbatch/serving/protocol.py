@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
 MAX_N = 128  # samples per prompt; a bound so one request cannot queue unbounded work
+MAX_LOGPROBS = 20  # top logprobs a token, as vLLM's default max_logprobs and OpenAI's top_logprobs
 PositiveInt = Annotated[int, Field(ge=1)]
 # vLLM's request priority: lower is served earlier; a batch job runs at a higher value than interactive requests.
 Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
@@ -158,6 +159,8 @@ class _SamplingFields(_Request):
     structured_outputs: StructuredOutputsRequest | None = None
     logit_bias: dict[int, float] | None = None  # OpenAI's; JSON's keys are the ids' digits
     allowed_token_ids: list[NonNegativeInt] | None = None
+    # vLLM's: each prompt token's logprob and the top ones at its position (not with stream).
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class FunctionDefinition(_Request):
@@ -236,7 +239,7 @@ class ChatCompletionRequest(_SamplingFields, _TemplateFields):
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     return_reasoning: bool | None = None
     # None: "auto" where tools are given. "none" keeps them in the prompt and the output as text (vLLM's).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -244,9 +247,9 @@ class ChatCompletionRequest(_SamplingFields, _TemplateFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: PositiveInt | None = 16
-    echo: bool = False
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_tokens: NonNegativeInt | None = 16  # 0 only with echo: the prompt alone comes back (OpenAI's)
+    echo: bool = False  # the prompt before the output; with logprobs, the prompt tokens' logprobs first
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class TokenizeRequest(_TemplateFields):
@@ -399,6 +402,19 @@ class ChatChoice(_Response):
     stop_reason: str | int | None = None
 
 
+class PromptLogprob(_Response):
+    """vLLM's ``prompt_logprobs`` entry: a token's logprob at a prompt position, its rank there (1: the likeliest)
+    and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# Per prompt token, None for the first, then the prompt's token and the top ones by id (as digits: JSON keys).
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatCompletion(_Response):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -406,6 +422,7 @@ class ChatCompletion(_Response):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(_Response):
@@ -446,6 +463,7 @@ class CompletionChoice(_Response):
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Completion(_Response):
