@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import time
@@ -19,21 +18,12 @@ import torch
 
 from qwenbatch import LLM, SamplingParams
 from qwenbatch.bench.llama_cpp import bin_dir, build_info
-from qwenbatch.bench.machine import copy_bandwidth_gbs, gemm_gflops, read_bandwidth_gbs
+from qwenbatch.bench.machine import copy_bandwidth_gbs, cpu_kind, gemm_gflops, read_bandwidth_gbs
 from qwenbatch.bench.throughput import matmul_params
 from qwenbatch.bench.workloads import random_workload
 from qwenbatch.layers.int8_linear import Int8Linear
 from qwenbatch.layers.linear import PackedLinear
 from qwenbatch.loader.default_model import default_gguf_path
-
-
-def cpu_kind() -> dict:
-    with open("/proc/cpuinfo") as f:
-        lines = f.read().splitlines()
-    model = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    flags = next(line.split(":", 1)[1].split() for line in lines if line.startswith("flags"))
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
-    return {"model": model, "flags": [f for f in wanted if f in flags], "machine": platform.machine()}
 
 
 def llama_batched(npp: int, ntg: int, npl: list[int]) -> dict[int, dict]:

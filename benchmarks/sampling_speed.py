@@ -30,7 +30,7 @@ import torch
 
 from qwenbatch import LLM, SamplingParams
 from qwenbatch.bench.workloads import CHAT_INSTRUCTIONS
-from qwenbatch.layers.cpu_kernels import greedy_tokens, sample_tokens, top_logprobs
+from qwenbatch.layers.cpu_kernels import greedy_tokens, sample_tokens, token_logprobs
 from qwenbatch.layers.sampler import SamplerKernels, SamplingRow, sample
 
 SETTINGS = {
@@ -45,7 +45,7 @@ SETTINGS = {
     "Qwen's generation config": {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05},
     "Qwen3's generation config": {"temperature": 0.6, "top_k": 20, "top_p": 0.95},
 }
-KERNELS = SamplerKernels(greedy_tokens, sample_tokens, top_logprobs)
+KERNELS = SamplerKernels(greedy_tokens, sample_tokens, token_logprobs)
 TORCH_PATH = SamplerKernels(greedy_tokens)  # the engine's sampler before the sample and logprobs kernels
 
 
@@ -75,7 +75,7 @@ def model_logits(count: int) -> torch.Tensor:
         captured.append(logits[:4].clone())
         return sample_tokens(logits, settings, penalties)
 
-    llm.engine.runner._sampler_kernels = SamplerKernels(greedy_tokens, capture, top_logprobs)
+    llm.engine.runner._sampler_kernels = SamplerKernels(greedy_tokens, capture, token_logprobs)
     prompts = [[{"role": "user", "content": text}] for text in CHAT_INSTRUCTIONS[:32]]
     llm.chat(prompts, SamplingParams(temperature=0.7, max_tokens=64, seed=0), use_tqdm=False)
     rows = torch.cat(captured)

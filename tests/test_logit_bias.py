@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from qwenbatch import LLM, SamplingParams
-from qwenbatch.layers.cpu_kernels import greedy_tokens, mask_to_allowed, sample_tokens, top_logprobs
+from qwenbatch.layers.cpu_kernels import greedy_tokens, mask_to_allowed, sample_tokens, token_logprobs
 from qwenbatch.layers.sampler import SamplerKernels, SamplingRow, sample, token_bits
 
-PATHS = {"torch": None, "cpu-kernels": SamplerKernels(greedy_tokens, sample_tokens, top_logprobs, mask_to_allowed)}
+PATHS = {"torch": None, "cpu-kernels": SamplerKernels(greedy_tokens, sample_tokens, token_logprobs, mask_to_allowed)}
 
 
 def test_token_bits_hold_exactly_the_ids_given():

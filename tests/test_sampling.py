@@ -15,7 +15,7 @@ from qwenbatch.engine.memory import BLOCK_BOOKKEEPING_BYTES_PER_TOKEN
 from qwenbatch.engine.model_runner import kv_cache_bytes_per_token
 from qwenbatch.engine.sequence import Sequence
 from qwenbatch.layers import sampler
-from qwenbatch.layers.cpu_kernels import greedy_tokens, sample_tokens, top_logprobs
+from qwenbatch.layers.cpu_kernels import greedy_tokens, sample_tokens, token_logprobs
 from qwenbatch.layers.sampler import SamplerKernels, SamplingRow, sample
 from qwenbatch.models.config import ModelConfig
 
@@ -43,7 +43,7 @@ def random_logits(rows: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
 
 
 # The sampler's PyTorch path, and the CPU's kernels that take over all of it.
-PATHS = {"torch": None, "cpu-kernels": SamplerKernels(greedy_tokens, sample_tokens, top_logprobs)}
+PATHS = {"torch": None, "cpu-kernels": SamplerKernels(greedy_tokens, sample_tokens, token_logprobs)}
 paths = pytest.mark.parametrize("kernels", PATHS.values(), ids=PATHS.keys())
 
 
@@ -507,11 +507,28 @@ def test_the_logprobs_kernel_returns_the_torch_path_log_probabilities(dtype):
 
 def test_the_logprobs_kernel_ranks_tied_logits_by_id_and_pads_past_the_vocabulary():
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0], [float("-inf"), 2.0, float("-inf"), 1.0, float("-inf")]])
-    lse, values, ids = top_logprobs(logits.bfloat16(), 7)
+    lse = torch.logsumexp(logits, dim=-1)
+    chosen, ranks, values, ids = token_logprobs(logits.bfloat16(), torch.tensor([2, 3]), 7)
     assert ids[0, :4].tolist() == [1, 2, 4, 0] and ids[1, :2].tolist() == [1, 3]
-    assert lse.tolist() == pytest.approx(torch.logsumexp(logits, dim=-1).tolist(), abs=1e-6)
+    assert chosen.tolist() == pytest.approx([3.0 - lse[0].item(), 1.0 - lse[1].item()], abs=1e-6)
+    assert ranks.tolist() == [1, 2]  # a tie ranks as high as its equals: only larger logits count
     assert values[0, :3].tolist() == pytest.approx([3.0 - lse[0].item()] * 3)
     assert values[:, 5:].tolist() == [[float("-inf")] * 2] * 2  # k past the vocabulary of 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_logprobs_kernel_equals_the_pytorch_path(dtype):
+    from qwenbatch.layers.sampler import _token_logprobs
+
+    logits = (torch.randn(9, 3000, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    targets = torch.tensor([0, 5, 2999, 17, 1000, 1, 2, 3, 4])
+    got, want = token_logprobs(logits, targets, 4), _token_logprobs(logits, targets, 4)
+    assert got[0].tolist() == pytest.approx(want[0].tolist(), abs=2e-5)
+    assert got[1].tolist() == want[1].tolist()
+    assert torch.allclose(got[2], want[2], atol=2e-5)
+    if dtype == torch.float32:  # in bf16, tied logits may take other ids of the same value
+        assert got[3].tolist() == want[3].tolist()
+    assert (got[1] == 1 + (logits.float() > logits.float().gather(-1, targets[:, None])).sum(-1)).all()
 
 
 @paths

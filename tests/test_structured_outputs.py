@@ -13,10 +13,10 @@ import torch
 
 from qwenbatch import LLM, SamplingParams, StructuredOutputs
 from qwenbatch.layers import sampler
-from qwenbatch.layers.cpu_kernels import greedy_tokens, mask_to_allowed, sample_tokens, top_logprobs
+from qwenbatch.layers.cpu_kernels import greedy_tokens, mask_to_allowed, sample_tokens, token_logprobs
 from qwenbatch.layers.sampler import SamplerKernels, SamplingRow, sample
 
-PATHS = {"torch": None, "cpu-kernels": SamplerKernels(greedy_tokens, sample_tokens, top_logprobs, mask_to_allowed)}
+PATHS = {"torch": None, "cpu-kernels": SamplerKernels(greedy_tokens, sample_tokens, token_logprobs, mask_to_allowed)}
 # Bounded values only: a random tiny model would fill a free string or number until max_tokens.
 SCHEMA = {
     "type": "object",

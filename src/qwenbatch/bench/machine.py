@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import platform
 import statistics
 import threading
 import time
 
 import psutil
 import torch
+
+
+def cpu_kind() -> dict:
+    """The CPU's model name, the vector and matrix extensions that pick its kernels, and the machine, from
+    /proc/cpuinfo (Linux): recorded with every figure, since the machine kind varies from session to session."""
+    with open("/proc/cpuinfo") as f:
+        lines = f.read().splitlines()
+    model = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    flags = next(line.split(":", 1)[1].split() for line in lines if line.startswith("flags"))
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+    return {"model": model, "flags": [f for f in wanted if f in flags], "machine": platform.machine()}
 
 
 def gemm_gflops(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:

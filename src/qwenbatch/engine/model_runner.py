@@ -21,7 +21,7 @@ from qwenbatch.layers.attention import (
     StepLayout,
     TorchAttentionMetadata,
 )
-from qwenbatch.layers.cpu_kernels import greedy_tokens, mask_to_allowed, sample_tokens, top_logprobs
+from qwenbatch.layers.cpu_kernels import greedy_tokens, mask_to_allowed, sample_tokens, token_logprobs
 from qwenbatch.layers.cpu_kernels import kernels as cpu_kernel_module
 from qwenbatch.layers.opaque_attention import step_attention
 from qwenbatch.layers.prefill_choice import OURS, SDPA
@@ -121,7 +121,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self._graphs = None
         self._sampler_kernels = (
-            SamplerKernels(greedy_tokens, sample_tokens, top_logprobs, mask_to_allowed) if kernels.cpu_kernels else None
+            SamplerKernels(greedy_tokens, sample_tokens, token_logprobs, mask_to_allowed)
+            if kernels.cpu_kernels
+            else None
         )
         # --compile: one graph per step shape class, symbolic in the token count; weights frozen into it.
         self._compiled = torch.compile(model, dynamic=True, options={"freezing": True}) if kernels.compiled else None

@@ -203,10 +203,13 @@ def sample_tokens(
     )
 
 
-def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's log-sum-exp and its ``k`` largest logits as log-probabilities (best first, ties by the lower id)
-    with their ids, read from logits [R, vocab] in their own dtype: the sampler's ``SamplerKernels.logprobs``."""
-    return kernels().top_logprobs(logits, k)
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's ``targets`` token's log-probability and rank (1 + how many logits are larger), and its ``k`` largest
+    logits as log-probabilities (best first, ties by the lower id) with their ids, read from logits [R, vocab] in their
+    own dtype: the sampler's ``SamplerKernels.logprobs``."""
+    return kernels().token_logprobs(logits, targets, k)
 
 
 def use_cpu_kernels(model: nn.Module) -> int:

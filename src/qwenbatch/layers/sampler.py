@@ -110,9 +110,12 @@ class LogitEdits:
 # Each row's token as _sample_random draws it (at temperature 0: its argmax) from logits [R, vocab] in the model's
 # dtype or float32 after its penalties, and whether the row itself holds an inf or a NaN.
 SampleKernel = Callable[[torch.Tensor, RowSettings, RowPenalties], tuple[torch.Tensor, torch.Tensor]]
-# Each row's log-sum-exp [R] and its k largest logits as log-probabilities [R, k] with their ids [R, k], from logits
-# [R, vocab] in the model's dtype or float32 (as _top_logprobs).
-LogprobsKernel = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# From logits [R, vocab] in the model's dtype or float32, one target token id a row (int64 [R]) and k: each target's
+# log-probability (float32 [R]) and rank (int64 [R]: 1 + how many logits are larger), and each row's k largest logits
+# as log-probabilities [R, k] with their ids [R, k] (as _token_logprobs).
+LogprobsKernel = Callable[
+    [torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+]
 
 
 @dataclass(frozen=True)
@@ -270,13 +273,12 @@ def _logprobs(
         return out
     k = min(max(rows[i].params.logprobs for i in wanted), logits.shape[-1])
     subset = logits if len(wanted) == len(rows) else logits[wanted]
-    lse, values, ids = (kernel or _top_logprobs)(subset, k)
     sampled_ids = torch.tensor([token_ids[i] for i in wanted], device=logits.device)
-    sampled = (subset[torch.arange(len(wanted), device=logits.device), sampled_ids].float() - lse).tolist()
-    for j, (i, top_values, top_ids) in enumerate(zip(wanted, values.tolist(), ids.tolist(), strict=True)):
+    sampled, _, values, ids = (kernel or _token_logprobs)(subset, sampled_ids, k)
+    for i, lp, top_values, top_ids in zip(wanted, sampled.tolist(), values.tolist(), ids.tolist(), strict=True):
         count = rows[i].params.logprobs
         entry = dict(zip(top_ids[:count], top_values[:count], strict=True))
-        entry[token_ids[i]] = sampled[j]
+        entry[token_ids[i]] = lp
         out[i] = entry
     return out
 
@@ -286,26 +288,26 @@ def prompt_logprobs(
 ) -> tuple[list[dict[int, float]], list[int]]:
     """Per row of ``logits`` [R, vocab] (the model's at R prompt positions): {token id: logprob} of the prompt's next
     token ``targets[r]`` and of the ``k`` likeliest tokens, and that token's rank (1 + how many logits are larger)."""
-    rows = torch.arange(len(targets), device=logits.device)
-    target_logits = logits[rows, torch.tensor(targets, device=logits.device)]
-    lse, values, ids = (kernel or _top_logprobs)(logits, max(k, 1))
-    ranks = ((logits > target_logits[:, None]).sum(dim=-1) + 1).tolist()
+    chosen, ranks, values, ids = (kernel or _token_logprobs)(logits, torch.tensor(targets, device=logits.device), k)
     entries = []
     for target, target_logprob, top_values, top_ids in zip(
-        targets, (target_logits.float() - lse).tolist(), values[:, :k].tolist(), ids[:, :k].tolist(), strict=True
+        targets, chosen.tolist(), values.tolist(), ids.tolist(), strict=True
     ):
         entry = dict(zip(top_ids, top_values, strict=True))
         entry[target] = target_logprob
         entries.append(entry)
-    return entries, ranks
+    return entries, ranks.tolist()
 
 
-def _top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The PyTorch path's LogprobsKernel: each row's log-sum-exp and its k largest logits less it, with their ids."""
+def _token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The PyTorch path's LogprobsKernel."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1)
+    chosen = x.gather(-1, targets[:, None])
     top, ids = x.topk(k, dim=-1)
-    return lse, top - lse[:, None], ids
+    return (chosen[:, 0] - lse), (x > chosen).sum(dim=-1) + 1, top - lse[:, None], ids
 
 
 def _row_penalties(rows: list[SamplingRow], vocab: int) -> RowPenalties:

@@ -47,7 +47,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each row's token drawn from one uniform number after temperature, top-k, top-p and min-p (temperature 0: "
         "the argmax), after its penalties and suppressed ids",
         no_gil);
-  m.def("top_logprobs", &top_logprobs, "each row's log-sum-exp and its k best logits as log-probabilities, with ids",
+  m.def("token_logprobs", &token_logprobs,
+        "each row's target token's log-probability and rank, and its k best logits as log-probabilities, with ids",
         no_gil);
   // module_local: the tests load builds for several targets into one process.
   py::class_<Int8Weight>(m, "Int8Weight", py::module_local(), "a linear layer's weights in int8_linear's packed format")

@@ -38,7 +38,9 @@ std::tuple<torch::Tensor, torch::Tensor> sample_tokens(
     const torch::Tensor& prompt_starts, const torch::Tensor& prompt_ids, const torch::Tensor& output_starts,
     const torch::Tensor& output_ids, const torch::Tensor& suppressed_starts, const torch::Tensor& suppressed_ids);
 // Each row's log-sum-exp and its k best logits as log-probabilities, with their ids (logprobs.cpp).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> top_logprobs(const torch::Tensor& logits, int64_t k);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> token_logprobs(const torch::Tensor& logits,
+                                                                                      const torch::Tensor& targets,
+                                                                                      int64_t k);
 
 // A linear layer's weights in int8_linear's packed format.
 struct Int8Weight {

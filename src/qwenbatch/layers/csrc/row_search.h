@@ -1,6 +1,6 @@
 // Searches over a row of logits, in blocks compared as vectors: the first index holding a value (the greedy and
 // sampling kernels' argmax), and the k largest values, best first, ties by the lower index (the logprobs kernel's
-// top_logprobs, the sampling kernel's top-k and its top-p candidates, where k is small next to the vocabulary: 20
+// token_logprobs, the sampling kernel's top-k and its top-p candidates, where k is small next to the vocabulary: 20
 // in Qwen's generation config, at most 20 for an OpenAI top_logprobs, 64 candidates).
 #pragma once
 #include "float_math.h"
