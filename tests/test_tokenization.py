@@ -87,3 +87,35 @@ def test_an_id_past_the_vocabulary_is_400_and_an_unknown_model_404(url, tiny_ser
     for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
         response = post(url, path, {**body, "model": "gpt-17"})
         assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+
+
+def test_continue_final_message_leaves_a_prefilled_answer_open(url, tiny_server):
+    prefilled = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+    body = {"messages": prefilled, "add_generation_prompt": False, "continue_final_message": True}
+    tokens = ok(post(url, "/tokenize", body))["tokens"]
+    inputs = tiny_server.app.state.serving.engine.inputs
+    text = inputs.decode(tokens)
+    assert text.endswith("The answer is")  # no end of turn after it: the model goes on with this message
+    closed = inputs.decode(ok(post(url, "/tokenize", {**body, "continue_final_message": False}))["tokens"])
+    assert closed.startswith(text) and closed != text
+    assert prompt_tokens(url, "/v1/chat/completions", body) == len(tokens)
+    for path in ("/tokenize", "/v1/chat/completions"):
+        refused = post(url, path, {"messages": prefilled, "continue_final_message": True})  # with the default header
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"
+
+
+def test_llm_chat_continues_the_final_message(tiny_qwen3):
+    from qwenbatch import LLM, SamplingParams
+
+    llm = LLM(str(tiny_qwen3), dtype="float32")
+    prefilled = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    [out] = llm.chat(prefilled, params, add_generation_prompt=False, continue_final_message=True, use_tqdm=False)
+    prompt = llm.engine.inputs.chat_prompt(prefilled, add_generation_prompt=False, continue_final_message=True)
+    assert prompt.endswith("The answer is")
+    assert (
+        out.prompt == prompt
+        and out.outputs[0].token_ids == llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    )
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(prefilled, params, continue_final_message=True, use_tqdm=False)

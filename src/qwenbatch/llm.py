@@ -168,12 +168,19 @@ class LLM:
         enable_thinking: bool | None = None,
         use_tqdm: bool = True,
         tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the chat template to each conversation (offering ``tools``, OpenAI's function definitions, as
-        vLLM's ``LLM.chat``) and generate; thinking goes to ``reasoning_content``."""
+        """Apply the chat template to each conversation (offering ``tools``, OpenAI's function definitions; the last
+        message left open for the model to go on with where ``continue_final_message``, with
+        ``add_generation_prompt`` false: as vLLM's ``LLM.chat``) and generate; thinking goes to
+        ``reasoning_content``."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.engine.inputs.chat_prompt(c, enable_thinking, tools=tools) for c in conversations]
+        prompts = [
+            self.engine.inputs.chat_prompt(c, enable_thinking, add_generation_prompt, tools, continue_final_message)
+            for c in conversations
+        ]
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         if not self.tokenizer.has_token(THINK_END):
             return outputs  # not a thinking model (Qwen2.5): the text is all answer

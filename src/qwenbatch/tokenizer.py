@@ -57,14 +57,21 @@ class Tokenizer:
         enable_thinking: bool | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """Render ``messages`` with the model's template; ``enable_thinking`` is Qwen3's switch, ``tools`` the
-        functions it offers the model (OpenAI's ``tools``)."""
+        functions it offers the model (OpenAI's ``tools``); ``continue_final_message`` leaves the last message open
+        (no end of turn), for the model to go on with it."""
         if self.hf.chat_template is None:
             raise ValueError("this model has no chat template; use generate() with plain prompts")
         kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         return self.hf.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **kwargs,
         )
 
 

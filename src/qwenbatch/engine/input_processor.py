@@ -25,6 +25,10 @@ from qwenbatch.tokenizer import IncrementalDetokenizer, Tokenizer
 
 NOT_A_RERANKER = "this model does not score pairs: serve a Qwen3-Reranker, or pass --task rerank"
 NO_TOKENIZER = "this model has no tokenizer (dummy weights): pass prompt token ids"
+CONTINUE_OR_NEW_MESSAGE = (
+    "continue_final_message and add_generation_prompt cannot both be set: the model either goes on with the last "
+    "message or starts a new one (set add_generation_prompt to false)"
+)
 SCORE_PARAMS = SamplingParams(temperature=0, max_tokens=1)  # placeholder: score-only sequences never sample
 # A token is at least one byte of text in any tokenizer we serve (most are 3-4), so a prompt of more than
 # this many bytes per max_model_len token cannot fit: it is refused before tokenizing a byte of it.
@@ -74,13 +78,19 @@ class InputProcessor:
         enable_thinking: bool | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
-        """The conversation (offering ``tools``) through the model's chat template; ValueError if it has none or it
+        """The conversation (offering ``tools``; its last message left open with ``continue_final_message``, which
+        excludes ``add_generation_prompt``) through the model's chat template; ValueError if it has none or it
         fails."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer (dummy weights); use completions with token ids")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(CONTINUE_OR_NEW_MESSAGE)
         try:
-            return self.tokenizer.apply_chat_template(messages, enable_thinking, add_generation_prompt, tools)
+            return self.tokenizer.apply_chat_template(
+                messages, enable_thinking, add_generation_prompt, tools, continue_final_message
+            )
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise ValueError(f"cannot apply the chat template: {e}") from e
 

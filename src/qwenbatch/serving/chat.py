@@ -67,7 +67,7 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(400, str(e), param="messages") from e
 
         def tokenize(inputs: InputProcessor) -> tuple[str, EngineRequest]:
-            prompt = inputs.chat_prompt(messages, body.thinking(), body.add_generation_prompt, body.tool_dicts())
+            prompt = inputs.chat_prompt(messages, **body.template_options())
             return prompt, inputs.make_request(request_id, prompt, params, body.stream, priority, truncate)
 
         prompt, request = await self.process(tokenize, param="messages")

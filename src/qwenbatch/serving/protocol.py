@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from qwenbatch.engine.input_processor import CONTINUE_OR_NEW_MESSAGE
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
 MAX_N = 128  # samples per prompt; a bound so one request cannot queue unbounded work
@@ -192,7 +194,26 @@ class _TemplateFields(_Request):
     # Qwen clients send this at the top level (through the SDK's extra_body).
     enable_thinking: bool | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the last message left open for the model to go on with (a prefilled answer); needs
+    # add_generation_prompt false.
+    continue_final_message: bool = False
     tools: list[ToolDefinition] | None = None  # the functions the template offers the model
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_new_message(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError(CONTINUE_OR_NEW_MESSAGE)
+        return value
+
+    def template_options(self) -> dict[str, Any]:
+        """How the request has its conversation rendered, as ``InputProcessor.chat_prompt`` takes it."""
+        return {
+            "enable_thinking": self.thinking(),
+            "add_generation_prompt": self.add_generation_prompt,
+            "tools": self.tool_dicts(),
+            "continue_final_message": self.continue_final_message,
+        }
 
     def tool_dicts(self) -> list[dict] | None:
         """``tools`` as the chat template takes them."""

@@ -27,7 +27,7 @@ class OpenAIServingTokenization(OpenAIServing):
         def tokenize(inputs: InputProcessor) -> TokenizeResponse:
             if chat:
                 messages = message_dicts(body.messages)
-                text = inputs.chat_prompt(messages, body.thinking(), body.add_generation_prompt, body.tool_dicts())
+                text = inputs.chat_prompt(messages, **body.template_options())
             else:
                 text = body.prompt
             special = body.add_special_tokens if body.add_special_tokens is not None else not chat
