@@ -62,13 +62,9 @@ def make_tokenizer(folder: Path, extra_tokens: tuple[str, ...] = ()) -> int:
     return len(hf)
 
 
-def make_checkpoint(folder: Path, arch: str, seed: int = 0, extra_tokens: tuple[str, ...] = ()) -> Path:
-    """A tiny random checkpoint of ``arch`` ("qwen2" or "qwen3") saved the way real ones are."""
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
-
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = make_tokenizer(folder, extra_tokens)
-    common = dict(
+def tiny_shape(vocab: int) -> dict:
+    """The tiny test models' config values (Qwen2 and Qwen3 alike) for a vocabulary of ``vocab``."""
+    return dict(
         vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
@@ -82,6 +78,14 @@ def make_checkpoint(folder: Path, arch: str, seed: int = 0, extra_tokens: tuple[
         bos_token_id=0,
         pad_token_id=0,
     )
+
+
+def make_checkpoint(folder: Path, arch: str, seed: int = 0, extra_tokens: tuple[str, ...] = ()) -> Path:
+    """A tiny random checkpoint of ``arch`` ("qwen2" or "qwen3") saved the way real ones are."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    folder.mkdir(parents=True, exist_ok=True)
+    common = tiny_shape(make_tokenizer(folder, extra_tokens))
     if arch == "qwen2":
         cfg = Qwen2Config(**common, tie_word_embeddings=False, rope_theta=10000.0)
     else:

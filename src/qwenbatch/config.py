@@ -16,7 +16,7 @@ from qwenbatch.settings import FLOAT, Form, parse_bytes, read_as
 
 logger = logging.getLogger(__name__)
 
-TASKS = ("auto", "generate", "rerank")
+TASKS = ("auto", "generate", "rerank", "embed")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("none", "int8")
@@ -121,7 +121,8 @@ class EngineConfig:
     # weights. Default: 4 GiB, at most a quarter of available memory.
     kv_cache_memory: int | float | str | None = field(default=None, metadata=read_as(KV_CACHE_MEMORY))
     seed: int = 0
-    # "rerank": score query-document pairs (Qwen3-Reranker); "auto": rerank when the model's name says so.
+    # "rerank": score query-document pairs (Qwen3-Reranker); "embed": one normalized vector a text (Qwen3-Embedding);
+    # "auto": rerank or embed where the model's name says so, else generate.
     task: str = "auto"
     tokenizer: str | None = None  # a tokenizer folder ("default": the default model's), e.g. for dummy weights
     # Sampling values a request leaves unset (vLLM's flags): "auto" takes the model's generation_config.json,
@@ -180,11 +181,13 @@ class EngineConfig:
 
     @property
     def resolved_task(self) -> str:
-        """The task "auto" stands for: rerank for a model whose name says reranker, else generate."""
+        """The task "auto" stands for: rerank for a model whose name says reranker, embed for one whose name says
+        embedding (vLLM needs --task embed for Qwen3-Embedding, whose config.json names Qwen3ForCausalLM), else
+        generate."""
         if self.task != "auto":
             return self.task
-        name = str(self.model).rstrip("/").rsplit("/", 1)[-1]  # the model's own name, not its parent folders
-        return "rerank" if "reranker" in name.lower() else "generate"
+        name = str(self.model).rstrip("/").rsplit("/", 1)[-1].lower()  # the model's own name, not its parent folders
+        return "rerank" if "reranker" in name else "embed" if "embedding" in name else "generate"
 
     @property
     def resolved_device(self) -> torch.device:

@@ -83,6 +83,23 @@ class LLM:
 
         yield from self._drive(makers(), use_tqdm, total)
 
+    def embed(
+        self, prompts: Iterable[PromptType], truncate_prompt_tokens: int | None = None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
+        """Each prompt's embedding (an embedding model's, task embed: the last token's final hidden state,
+        L2-normalized) as ``RequestOutput.embedding``, in input order; ``truncate_prompt_tokens`` keeps the last
+        ones of a longer prompt."""
+        inputs = self.engine.inputs
+
+        def makers() -> Iterator[Callable[[str], EngineRequest]]:
+            for prompt in prompts:
+                yield functools.partial(
+                    inputs.make_embed_request, prompt=prompt, truncate_prompt_tokens=truncate_prompt_tokens
+                )
+
+        outputs = dict(self._drive(makers(), use_tqdm, None))
+        return [outputs[i] for i in range(len(outputs))]
+
     def score(
         self, pairs: Iterable[tuple[str, str]], instruction: str | None = None, use_tqdm: bool = True
     ) -> list[float]:

@@ -49,6 +49,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     score: float | None = None  # a scoring request's P(yes) (reranker); outputs is empty then
+    embedding: list[float] | None = None  # an embedding request's vector, L2-normalized; outputs is empty then
     # SamplingParams.prompt_logprobs: per prompt token, None for the first, then {token id: logprob} holding the
     # prompt's token and the top ones at that position; and the prompt token's rank there (1: the likeliest). A
     # streaming request has them in its first output only.

@@ -110,9 +110,10 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
     g.add_argument("--seed", type=int, default=None)
     g.add_argument(
         "--task",
-        choices=["auto", "generate", "rerank"],
+        choices=["auto", "generate", "rerank", "embed"],
         default=None,
-        help="rerank: score query-document pairs (Qwen3-Reranker); auto: rerank when the model name says reranker",
+        help="rerank: score query-document pairs (Qwen3-Reranker); embed: text embeddings (Qwen3-Embedding); "
+        "auto: rerank or embed when the model name says reranker or embedding",
     )
     g.add_argument("--tokenizer", default=None, help="tokenizer folder or 'default' (for dummy weights)")
     g.add_argument(

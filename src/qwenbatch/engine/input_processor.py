@@ -24,6 +24,8 @@ from qwenbatch.sampling_params import SamplingDefaults, SamplingParams, Structur
 from qwenbatch.tokenizer import IncrementalDetokenizer, Tokenizer
 
 NOT_A_RERANKER = "this model does not score pairs: serve a Qwen3-Reranker, or pass --task rerank"
+EMBEDDER_ONLY = "this model embeds texts (task embed): use /v1/embeddings or LLM.embed, not generation"
+NOT_AN_EMBEDDER = "this model does not embed texts: serve a Qwen3-Embedding model, or pass --task embed"
 NO_TOKENIZER = "this model has no tokenizer (dummy weights): pass prompt token ids"
 CONTINUE_OR_NEW_MESSAGE = (
     "continue_final_message and add_generation_prompt cannot both be set: the model either goes on with the last "
@@ -51,8 +53,10 @@ class InputProcessor:
         rerank_formatter: RerankFormatter | None = None,
         sampling_defaults: SamplingDefaults | None = None,
         grammars: GrammarCompiler | None = None,
+        embeds: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        self.embeds = embeds  # an embedding model's engine (task embed): make_embed_request, not generation
         self.grammars = grammars  # None: the model has no tokenizer, so no structured outputs
         # What a request's unset sampling values are: OpenAI's, or the model's generation config's.
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
@@ -153,6 +157,8 @@ class InputProcessor:
         ``priority``: lower is served earlier (vLLM's convention); see scheduler.py.
         """
         _check_priority(priority)
+        if self.embeds:
+            raise ValueError(EMBEDDER_ONLY)
         prompt_text, token_ids = self._tokenize(parse_prompt(prompt), truncate_prompt_tokens)
         self._check_token_ids(token_ids)
         self.check_token_ids_of(params)
@@ -245,15 +251,45 @@ class InputProcessor:
         _check_priority(priority)
         if self._rerank_formatter is None:
             raise ValueError(NOT_A_RERANKER)
+        return self._pooling_request(request_id, None, token_ids, priority, "the pair")
+
+    def _pooling_request(
+        self, request_id: str, prompt: str | None, token_ids: list[int], priority: int, what: str
+    ) -> EngineRequest:
+        """A request of one score-only sequence over ``token_ids`` (``what`` names them in a refusal)."""
         self._check_token_ids(token_ids)
         if len(token_ids) > self.max_model_len:
-            raise ValueError(f"the pair has {len(token_ids)} tokens; max_model_len is {self.max_model_len}")
+            raise ValueError(f"{what} has {len(token_ids)} tokens; max_model_len is {self.max_model_len}")
         n = len(token_ids)
         seq = Sequence(next(self._seq_ids), request_id, 0, list(token_ids), n, SCORE_PARAMS, 1, priority)
         seq.score_only = True
+        state = SampleState()
         return EngineRequest(
-            request_id, None, list(token_ids), [seq], [SampleState()], priority=priority, arrival_time=time.monotonic()
+            request_id, prompt, seq.token_ids[:], [seq], [state], priority=priority, arrival_time=time.monotonic()
         )
+
+    def make_embed_request(
+        self, request_id: str, prompt: PromptType, priority: int = 0, truncate_prompt_tokens: int | None = None
+    ) -> EngineRequest:
+        """A request that prefills ``prompt`` and reports the normalized hidden state of its last token (an
+        embedding model's last-token pooling). Text takes the tokenizer's own special tokens (Qwen3-Embedding's
+        appends <|endoftext|>, whose state is the embedding); ``truncate_prompt_tokens`` keeps the last ones."""
+        _check_priority(priority)
+        if not self.embeds:
+            raise ValueError(NOT_AN_EMBEDDER)
+        prompt = parse_prompt(prompt)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(NO_TOKENIZER)
+            if truncate_prompt_tokens is None:
+                self.check_text_size(len(prompt.encode("utf-8", "surrogatepass")))
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            token_ids = self._as_token_ids(prompt)
+        if truncate_prompt_tokens is not None:
+            token_ids = token_ids[-truncate_prompt_tokens:]
+        text = prompt if isinstance(prompt, str) else None
+        return self._pooling_request(request_id, text, token_ids, priority, "the input")
 
     def make_score_requests(
         self, base_id: str, pairs: list[tuple[str, str]], instruction: str | None = None, priority: int = 0

@@ -60,7 +60,10 @@ class LLMEngine:
         self.dtype = config.torch_dtype
         device = self.device = config.resolved_device
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, config.load_format, self.dtype, device, config.seed)
+        self.task = config.resolved_task
+        loaded = load_model(
+            config.model, config.load_format, self.dtype, device, config.seed, without_head=self.task == "embed"
+        )
         self.model_config = loaded.config
         self.sampling_defaults = sampling_defaults(config.generation_config, loaded.folder, config.generation_overrides)
         if self.sampling_defaults.changed():
@@ -72,7 +75,6 @@ class LLMEngine:
         tokenizer_dir = resolve_model_dir(config.tokenizer) if config.tokenizer else loaded.tokenizer_dir
         self.tokenizer = Tokenizer(tokenizer_dir, loaded.config.eos_token_ids) if tokenizer_dir else None
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else loaded.config.eos_token_ids
-        self.task = config.resolved_task
         score_weight = None
         if self.task == "rerank":
             if self.tokenizer is None:
@@ -100,6 +102,7 @@ class LLMEngine:
             kernels,
             config.resolved_attention_backend,
             score_weight,
+            embeds=self.task == "embed",
         )
         per_token = kv_cache_bytes_per_token(loaded.config, self.dtype)
         kv_bytes = self._kv_cache_bytes()
@@ -132,7 +135,13 @@ class LLMEngine:
         if self.tokenizer is not None:
             grammars = GrammarCompiler(self.tokenizer.hf, loaded.config.vocab_size, self.eos_token_ids)
         self.inputs = InputProcessor(
-            self.tokenizer, loaded.config.vocab_size, self.max_model_len, formatter, self.sampling_defaults, grammars
+            self.tokenizer,
+            loaded.config.vocab_size,
+            self.max_model_len,
+            formatter,
+            self.sampling_defaults,
+            grammars,
+            embeds=self.task == "embed",
         )
         self.outputs = OutputProcessor(self.eos_token_ids, str(self.dtype).removeprefix("torch."))
         self._requests: dict[str, EngineRequest] = {}
@@ -229,7 +238,10 @@ class LLMEngine:
             raise RuntimeError("warm_up runs on an idle engine; requests are queued")
         start = warm_up_first_token(self.model_config.vocab_size)
         prompt = [start + i for i in range(16)]
-        self.add(self.inputs.make_request("warm-up", prompt, SamplingParams(temperature=0, max_tokens=2)))
+        if self.task == "embed":
+            self.add(self.inputs.make_embed_request("warm-up", prompt))
+        else:
+            self.add(self.inputs.make_request("warm-up", prompt, SamplingParams(temperature=0, max_tokens=2)))
         while self.has_unfinished():
             self.step()
         self.take_iteration_stats()
@@ -263,10 +275,10 @@ class LLMEngine:
         sampled = [s.seq for s in sched.scheduled if s.samples and not s.seq.score_only]
         scored = [s.seq for s in sched.scheduled if s.samples and s.seq.score_only]
         touched: dict[str, EngineRequest] = {}
-        for seq, value in zip(scored, result.scores, strict=True):
+        for seq, value in zip(scored, result.pooled, strict=True):
             req = self._requests[seq.request_id]
             self._record_score(req, now)
-            self._finish(seq, self.outputs.process_score(req, seq, value))
+            self._finish(seq, self.outputs.process_pooled(req, seq, value))
             touched[req.request_id] = req
         for seq, token, lp, bad in zip(sampled, result.token_ids, result.logprobs, result.non_finite, strict=True):
             req = self._requests[seq.request_id]

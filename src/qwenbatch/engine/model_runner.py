@@ -54,7 +54,8 @@ class ModelRunnerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
     non_finite: list[bool]  # the sequence's logits held NaN/inf
-    scores: list[float] = field(default_factory=list)  # P(yes), per score-only sequence, in scheduling order
+    # Per score-only sequence, in scheduling order: P(yes) (rerank) or its embedding (embed).
+    pooled: list[float] | list[list[float]] = field(default_factory=list)
     prompt_logprobs: dict[int, PromptLogprobsChunk] = field(default_factory=dict)
 
 
@@ -108,10 +109,13 @@ class ModelRunner:
         kernels: ModelKernels,
         attention_backend: str = "torch",
         score_weight: torch.Tensor | None = None,
+        embeds: bool = False,
     ) -> None:
         """``model`` as ``loader.prepare_kernels`` laid it out (``kernels``); ``score_weight``: the reranker's
-        two LM-head rows ("no", "yes") in float32, taken before the layout changed."""
+        two LM-head rows ("no", "yes") in float32, taken before the layout changed; ``embeds``: score-only
+        sequences return their normalized last hidden state instead (an embedding model)."""
         self.score_weight = score_weight
+        self.embeds = embeds
         self.linear_kernels = kernels.linear_kernels  # recorded in the log and in bench JSON
         self.model = model
         self.cfg = cfg
@@ -248,7 +252,7 @@ class ModelRunner:
             sampled = sample(self.model.compute_logits(hidden[generate_rows]), rows, self._sampler_kernels)
             out.token_ids, out.logprobs, out.non_finite = sampled.token_ids, sampled.logprobs, sampled.non_finite
         if score_rows:
-            out.scores = self._scores(hidden[score_rows])
+            out.pooled = self._embeddings(hidden[score_rows]) if self.embeds else self._scores(hidden[score_rows])
         for i, s in enumerate(sched.scheduled):
             if s.seq.prompt_logprobs_from is not None:
                 out.prompt_logprobs[s.seq.seq_id] = self._prompt_logprobs(hidden, packed.first_rows[i], s)
@@ -271,6 +275,10 @@ class ModelRunner:
             chunk.logprobs += entries
             chunk.ranks += ranks
         return chunk
+
+    def _embeddings(self, hidden: torch.Tensor) -> list[list[float]]:
+        """Each row's final hidden state (after the last norm) L2-normalized in float32: last-token pooling."""
+        return torch.nn.functional.normalize(hidden.float(), dim=-1).tolist()
 
     def _scores(self, hidden: torch.Tensor) -> list[float]:
         """P(yes) from a float32 softmax over the logits of "no" and "yes" only (two LM-head rows)."""

@@ -60,13 +60,17 @@ class OutputProcessor:
             return "length"
         return None
 
-    def process_score(self, req: EngineRequest, seq: Sequence, value: float) -> str:
-        """Record a score-only sequence's P(yes); its finish reason ("error" if the score is not finite)."""
+    def process_pooled(self, req: EngineRequest, seq: Sequence, value: float | list[float]) -> str:
+        """Record a score-only sequence's P(yes) or embedding; its finish reason ("error" if not finite)."""
         state = req.samples[seq.index]
-        if math.isfinite(value):
+        if isinstance(value, list):
+            if all(map(math.isfinite, value)):
+                state.embedding = value
+                return "stop"
+        elif math.isfinite(value):
             state.score = value
             return "stop"
-        state.error = f"the model produced a non-finite score in {self.dtype_name}: try --dtype bfloat16"
+        state.error = f"the model produced a non-finite result in {self.dtype_name}: try --dtype bfloat16"
         return "error"
 
     def output(self, req: EngineRequest) -> RequestOutput | None:
@@ -80,7 +84,15 @@ class OutputProcessor:
         """Everything a finished request produced."""
         if req.score_only:
             state = req.samples[0]
-            out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [], finished=True, score=state.score)
+            out = RequestOutput(
+                req.request_id,
+                req.prompt,
+                req.prompt_token_ids,
+                [],
+                finished=True,
+                score=state.score,
+                embedding=state.embedding,
+            )
             if state.error:
                 out.outputs = [CompletionOutput(0, "", [], finish_reason="error", error=state.error)]
             return out

@@ -39,7 +39,8 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
     # "stop", "length", "abort" or "error" once finished (CompletionOutput.finish_reason).
     finish_reason: str | None = None
-    score_only: bool = False  # a reranker pair: prefill, then P(yes) instead of a sampled token
+    # A pooling sequence: prefill, then instead of a sampled token P(yes) (a reranker pair) or an embedding.
+    score_only: bool = False
     # prompt_logprobs: the first position whose next prompt token's logprob is still to compute (on the request's
     # first sequence; None when there is none, or none left). While set, no prefix-cache hit is taken: cached
     # positions would produce no logits.

@@ -93,8 +93,11 @@ def model_config_of(config) -> ModelConfig:
     return ModelConfig.from_folder(resolve_model_dir(config.model))
 
 
-def load_model(model: str, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
-    """Load ``model`` in ``dtype`` on ``device``; ``load_format="dummy"`` builds random weights of its shape."""
+def load_model(
+    model: str, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0, without_head: bool = False
+) -> LoadedModel:
+    """Load ``model`` in ``dtype`` on ``device``; ``load_format="dummy"`` builds random weights of its shape;
+    ``without_head``: the checkpoint may lack the LM head (an embedding model)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     if load_format == "dummy":
@@ -104,5 +107,5 @@ def load_model(model: str, load_format: str, dtype: torch.dtype, device: torch.d
         return LoadedModel(load_dummy_model(cfg, dtype, device, seed), cfg, tokenizer_dir)
     folder = resolve_model_dir(model)
     cfg = ModelConfig.from_folder(folder)
-    model, checkpoint = load_hf_checkpoint(folder, dtype, device)
+    model, checkpoint = load_hf_checkpoint(folder, dtype, device, without_head)
     return LoadedModel(model, cfg, folder, checkpoint, folder)

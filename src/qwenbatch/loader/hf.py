@@ -107,10 +107,11 @@ class CheckpointReader:
     The loader fills a model from it; ``--quantization int8`` re-reads linear weights from it in float32,
     since the loaded model may hold a rounded (bfloat16) copy and int8 must see a GGUF's blocks exactly.
     Building it checks the files against ``model``: unexpected tensors, missing ones and shape mismatches
-    raise ValueError naming the file and the tensor.
+    raise ValueError naming the file and the tensor. A backbone saved without the ``model.`` prefix is read as
+    the model's; ``without_head``: the LM head may be absent (an embedding model never computes logits).
     """
 
-    def __init__(self, folder: Path, model: nn.Module) -> None:
+    def __init__(self, folder: Path, model: nn.Module, without_head: bool = False) -> None:
         cfg = model.config
         files = sorted(folder.glob("*.safetensors"))
         if not files:
@@ -120,24 +121,35 @@ class CheckpointReader:
         self.files = files
         self._parts: dict[str, list[_Part]] = {}
         self._shapes = {name: tuple(p.shape) for name, p in params.items()}
+        seen: set[str] = set()  # the checkpoint names read, as ``expected`` spells them
         for path in files:
             for entry in read_safetensors_index(path):
-                if entry.name not in expected:
-                    if entry.name == "lm_head.weight" and cfg.tie_word_embeddings:
+                name = entry.name
+                if name not in expected and f"model.{name}" in expected:
+                    name = f"model.{name}"  # a backbone saved alone (Qwen3-Embedding: embed_tokens, layers.*, norm)
+                if name not in expected:
+                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue  # some tied checkpoints still store the head
                     raise ValueError(f"{path}: unexpected tensor '{entry.name}' for {cfg.architecture}")
-                ours, rows = expected[entry.name]
+                seen.add(name)
+                ours, rows = expected[name]
                 target_shape = tuple(params[ours].data[rows].shape)
                 if entry.shape != target_shape:
                     raise ValueError(
                         f"{path}: tensor '{entry.name}' has shape {entry.shape}, config.json implies {target_shape}"
                     )
                 self._parts.setdefault(ours, []).append(_Part(path, entry, rows))
-        seen = {part.entry.name for parts in self._parts.values() for part in parts}
         missing = sorted(set(expected) - seen)
+        if missing == ["lm_head.weight"] and without_head:
+            missing = []  # an embedding model's checkpoint: no head to read, none to use
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ValueError(f"{folder}: checkpoint is missing tensors: {shown}")
+
+    @property
+    def parameter_names(self) -> set[str]:
+        """Our parameters that the checkpoint fills."""
+        return set(self._parts)
 
     @property
     def tensor_count(self) -> int:
@@ -178,7 +190,9 @@ def load_hf_model(folder: Path, dtype: torch.dtype, device: torch.device) -> nn.
     return load_hf_checkpoint(folder, dtype, device)[0]
 
 
-def load_hf_checkpoint(folder: Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, CheckpointReader]:
+def load_hf_checkpoint(
+    folder: Path, dtype: torch.dtype, device: torch.device, without_head: bool = False
+) -> tuple[nn.Module, CheckpointReader]:
     """Load ``folder``'s safetensors (one file or sharded) into a freshly built model; with the reader it was
     filled from (for layers that re-read their weights as the files hold them).
 
@@ -186,10 +200,13 @@ def load_hf_checkpoint(folder: Path, dtype: torch.dtype, device: torch.device) -
     the dtype differs), so peak memory is the model plus at most one tensor, and the file's pages
     stay in the page cache instead of being counted again in our RSS as an mmap would be.
     Missing tensors, unexpected ones and shape mismatches raise ValueError naming the file and
-    the tensor.
+    the tensor; ``without_head``: a checkpoint without the LM head (an embedding model's) ties it to the
+    embeddings, as a placeholder that never runs.
     """
     model = instantiate(ModelConfig.from_folder(folder), dtype, device)
-    reader = CheckpointReader(folder, model)
+    reader = CheckpointReader(folder, model, without_head)
+    if "lm_head.weight" not in reader.parameter_names:  # an embedding checkpoint: the head never runs
+        model.lm_head.weight = model.model.embed_tokens.weight
     for name, param in model.named_parameters():
         reader.read_into(name, param.data)
     logger.info("loaded %s (%d tensors from %d files) as %s", folder, reader.tensor_count, len(reader.files), dtype)

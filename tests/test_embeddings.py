@@ -1,0 +1,101 @@
+"""Text embeddings (task embed): a Qwen3-Embedding checkpoint as Qwen ships it (the backbone's tensors without the
+``model.`` prefix, no LM head, config.json naming Qwen3ForCausalLM, a tokenizer that appends <|endoftext|>) gives
+each text the L2-normalized final hidden state of its last token, as the model card's transformers code does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tokenizer, tiny_shape
+from qwenbatch import LLM
+
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "Python is a programming language.", "用一句话介绍Python"]
+
+
+def make_embedding_model(folder: Path, tie_word_embeddings: bool = True) -> Path:
+    """A tiny random Qwen3 backbone saved as Qwen3-Embedding's files are."""
+    from tokenizers import Tokenizer, processors
+    from transformers import AutoModel, Qwen3Config
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = make_tokenizer(folder)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A <|endoftext|>", pair="$A <|endoftext|> $B <|endoftext|>", special_tokens=[("<|endoftext|>", eos)]
+    )
+    tokenizer.save(str(folder / "tokenizer.json"))
+    cfg = Qwen3Config(**tiny_shape(vocab), head_dim=32, tie_word_embeddings=tie_word_embeddings)
+    torch.manual_seed(5)
+    AutoModel.from_config(cfg, dtype=torch.float32).save_pretrained(str(folder))  # keys: embed_tokens, layers.*, norm
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return make_embedding_model(tmp_path_factory.mktemp("models") / "tiny-Qwen3-Embedding")
+
+
+def reference(folder: Path, texts: list[str]) -> tuple[list[list[int]], torch.Tensor]:
+    """The model card's method: the tokenizer's ids, the last token's hidden state, L2-normalized (float32)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    with torch.no_grad():
+        states = [model(input_ids=torch.tensor([i])).last_hidden_state[0, -1] for i in ids]
+    return ids, torch.nn.functional.normalize(torch.stack(states), dim=-1)
+
+
+@pytest.mark.parametrize("cpu_kernels", ["on", "off"])
+def test_embeddings_equal_the_model_cards_transformers_code(folder, cpu_kernels):
+    llm = LLM(str(folder), dtype="float32", cpu_kernels=cpu_kernels)  # "auto": the name says embedding
+    outputs = llm.embed(TEXTS, use_tqdm=False)
+    ids, expected = reference(folder, TEXTS)
+    eos = llm.tokenizer.hf.convert_tokens_to_ids("<|endoftext|>")
+    assert [o.prompt_token_ids for o in outputs] == ids and all(i[-1] == eos for i in ids)
+    got = torch.tensor([o.embedding for o in outputs])
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert torch.allclose(got.norm(dim=-1), torch.ones(len(TEXTS)), atol=1e-5)
+
+
+def test_token_ids_and_truncation(folder):
+    llm = LLM(str(folder), dtype="float32")
+    ids, expected = reference(folder, TEXTS[:1])
+    [as_ids, truncated] = llm.embed([ids[0], TEXTS[0]], truncate_prompt_tokens=5, use_tqdm=False)
+    _, last_five = reference_of_ids(folder, ids[0][-5:])
+    assert as_ids.prompt_token_ids == ids[0][-5:] == truncated.prompt_token_ids
+    assert torch.allclose(torch.tensor(truncated.embedding), last_five, atol=1e-5)
+    [whole] = llm.embed([ids[0]], use_tqdm=False)
+    assert torch.allclose(torch.tensor(whole.embedding), expected[0], atol=1e-5)
+
+
+def reference_of_ids(folder: Path, ids: list[int]) -> tuple[list[int], torch.Tensor]:
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        state = model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]
+    return ids, torch.nn.functional.normalize(state, dim=-1)
+
+
+def test_an_untied_checkpoint_without_a_head_embeds_but_does_not_generate(tmp_path):
+    folder = make_embedding_model(tmp_path / "Qwen3-Embedding-untied", tie_word_embeddings=False)
+    [out] = LLM(str(folder), dtype="float32").embed(TEXTS[:1], use_tqdm=False)
+    assert torch.allclose(torch.tensor(out.embedding), reference(folder, TEXTS[:1])[1][0], atol=1e-5)
+    with pytest.raises(ValueError, match=r"missing tensors: lm_head\.weight"):
+        LLM(str(folder), dtype="float32", task="generate")
+
+
+def test_each_engine_refuses_the_other_task(folder, tiny_qwen3):
+    with pytest.raises(ValueError, match="embeds texts"):
+        LLM(str(folder), dtype="float32").generate(["hi"], use_tqdm=False)
+    with pytest.raises(ValueError, match="does not embed"):
+        LLM(str(tiny_qwen3), dtype="float32").embed(["hi"], use_tqdm=False)
