@@ -340,7 +340,7 @@ def test_bad_lines_get_error_lines_and_the_job_goes_on(capsys, tmp_path, engine_
     rows = [
         openai_line("a", COMPLETIONS, ok_body),
         openai_line("a", COMPLETIONS, {"prompt": "a second time", "max_tokens": 4}),
-        openai_line("bad-url", "/v1/embeddings", ok_body),
+        openai_line("bad-url", "/v1/images/generations", ok_body),
         '{"custom_id": "broken", "url": ',  # line 4: not JSON
         openai_line("get", COMPLETIONS, ok_body, method="GET"),
         openai_line("top-p", COMPLETIONS, {**ok_body, "top_p": 5}),

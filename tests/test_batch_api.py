@@ -136,7 +136,7 @@ def test_completions_batch_and_per_line_errors_in_the_error_file(client, referen
     [
         (jsonl([chat_line(0)]) + b"{not json\n", "invalid_json", 2, None),
         (jsonl([chat_line(0), chat_line(1, url=COMPLETIONS)]), "invalid_url", 2, "url"),  # mixed endpoints
-        (jsonl([chat_line(0, url="/v1/embeddings")]), "invalid_url", 1, "url"),  # an endpoint we do not serve
+        (jsonl([chat_line(0, url="/v1/images/generations")]), "invalid_url", 1, "url"),  # an endpoint we do not serve
         (jsonl([chat_line(0), chat_line(0)]), "duplicate_custom_id", 2, "custom_id"),
         (b"\n\n", "empty_file", None, None),
     ],
@@ -155,7 +155,7 @@ def test_an_invalid_input_file_fails_validation_with_openai_shaped_errors(client
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"endpoint": "/v1/embeddings"}, "endpoint"),
+        ({"endpoint": "/v1/images/generations"}, "endpoint"),
         ({"completion_window": "1h"}, "completion_window"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -99,3 +100,74 @@ def test_each_engine_refuses_the_other_task(folder, tiny_qwen3):
         LLM(str(folder), dtype="float32").generate(["hi"], use_tqdm=False)
     with pytest.raises(ValueError, match="does not embed"):
         LLM(str(tiny_qwen3), dtype="float32").embed(["hi"], use_tqdm=False)
+
+
+# -- the server and run-batch ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    from qwenbatch.config import EngineConfig
+    from qwenbatch.server.app import ServerSettings
+    from server_harness import RunningServer
+
+    with RunningServer(
+        ServerSettings(served_model_names=["embed"]), EngineConfig(model=str(folder), dtype="float32")
+    ) as s:
+        yield s
+
+
+def test_the_embeddings_endpoint_in_floats_base64_and_fewer_dimensions(server, folder):
+    from openai import OpenAI
+
+    _, expected = reference(folder, TEXTS)
+    response = httpx.post(server.url + "/v1/embeddings", json={"model": "embed", "input": TEXTS}, timeout=60)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert [d["index"] for d in body["data"]] == [0, 1, 2] and body["object"] == "list"
+    assert torch.allclose(torch.tensor([d["embedding"] for d in body["data"]]), expected, atol=1e-5)
+    ids = reference(folder, TEXTS)[0]
+    assert body["usage"]["prompt_tokens"] == sum(map(len, ids))
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    sdk = client.embeddings.create(model="embed", input=TEXTS[0])  # the SDK asks for base64 and decodes it
+    assert torch.allclose(torch.tensor(sdk.data[0].embedding), expected[0], atol=1e-5)
+    short = client.embeddings.create(model="embed", input=[ids[1]], dimensions=16, encoding_format="float")
+    cut = torch.nn.functional.normalize(expected[1, :16], dim=-1)
+    assert torch.allclose(torch.tensor(short.data[0].embedding), cut, atol=1e-5)
+
+    for fields, param in (({"input": TEXTS[0], "dimensions": 65}, "dimensions"), ({"input": []}, "input")):
+        refused = httpx.post(server.url + "/v1/embeddings", json={"model": "embed", **fields}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    chat = httpx.post(server.url + "/v1/completions", json={"model": "embed", "prompt": "hi"}, timeout=60)
+    assert chat.status_code == 400 and "embeds texts" in chat.json()["error"]["message"]
+
+
+def test_a_generating_server_refuses_embeddings(tiny_server):
+    refused = httpx.post(tiny_server.url + "/v1/embeddings", json={"model": "tiny", "input": "hi"}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+
+
+def test_run_batch_embeds_plain_lines_and_openai_lines(folder, tmp_path):
+    from qwenbatch.cli import main
+
+    plain = tmp_path / "texts.txt"
+    plain.write_text("\n".join(TEXTS) + "\n")
+    lines = tmp_path / "lines.jsonl"
+    lines.write_text(
+        "\n".join(
+            json.dumps({"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/embeddings", "body": {"input": t}})
+            for i, t in enumerate(TEXTS)
+        )
+        + "\n"
+    )
+    short = tmp_path / "short.jsonl"  # the body alone: an input routes to the embeddings endpoint
+    short.write_text("\n".join(json.dumps({"custom_id": f"doc-{i}", "input": t}) for i, t in enumerate(TEXTS)) + "\n")
+    _, expected = reference(folder, TEXTS)
+    for source, extra in ((plain, ["--input-format", "prompts", "--endpoint", "embeddings"]), (lines, []), (short, [])):
+        out = tmp_path / f"{source.stem}-out.jsonl"
+        flags = ["--model", str(folder), "--dtype", "float32", *extra]
+        assert main(["run-batch", "-i", str(source), "-o", str(out), *flags]) == 0
+        results = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["custom_id"])
+        vectors = [r["response"]["body"]["data"][0]["embedding"] for r in results]
+        assert torch.allclose(torch.tensor(vectors), expected, atol=1e-5), source.name

@@ -26,7 +26,7 @@ from typing import TextIO
 
 import orjson
 
-from qwenbatch.serving.protocol import CHAT_URL, COMPLETIONS_URL, RERANK_URL
+from qwenbatch.serving.protocol import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, RERANK_URL
 
 INPUT_FORMATS = ("auto", "openai", "jsonl", "prompts")
 DUPLICATE = "duplicate_custom_id"
@@ -72,7 +72,7 @@ def bounded_lines(f: TextIO, max_chars: int) -> Iterator[str]:
 def parse_lines(
     lines: Iterable[str],
     input_format: str = "auto",
-    endpoints: tuple[str, ...] = (CHAT_URL, COMPLETIONS_URL, RERANK_URL),
+    endpoints: tuple[str, ...] = (CHAT_URL, COMPLETIONS_URL, RERANK_URL, EMBEDDINGS_URL),
     prompt_url: str = CHAT_URL,
     defaults: dict | None = None,
 ) -> Iterator[BatchLine]:
@@ -108,7 +108,9 @@ def _parse_one(
 ) -> BatchLine:
     fallback_id = f"line-{number}"
     if input_format == "prompts":
-        body = {"messages": [{"role": "user", "content": text}]} if prompt_url == CHAT_URL else {"prompt": text}
+        body = {CHAT_URL: {"messages": [{"role": "user", "content": text}]}, EMBEDDINGS_URL: {"input": text}}.get(
+            prompt_url, {"prompt": text}
+        )
         return BatchLine(index, fallback_id, prompt_url, body)
     try:
         obj = orjson.loads(text)
@@ -134,7 +136,9 @@ def _parse_one(
         return BatchLine(index, custom_id, CHAT_URL, body)
     if "prompt" in body:
         return BatchLine(index, custom_id, COMPLETIONS_URL, body)
-    return _bad(index, custom_id, "invalid_line", f"line {number}: needs body, messages or prompt")
+    if "input" in body:
+        return BatchLine(index, custom_id, EMBEDDINGS_URL, body)
+    return _bad(index, custom_id, "invalid_line", f"line {number}: needs body, messages, prompt or input")
 
 
 def _bad(index: int, custom_id: str, code: str, message: str) -> BatchLine:

@@ -38,11 +38,11 @@ from qwenbatch.batch_api.storage import BatchError, BatchRecord, BatchStore, Req
 from qwenbatch.engine.async_engine import EngineState
 from qwenbatch.engine.scheduler import BACKGROUND_PRIORITY
 from qwenbatch.serving.api import OpenAIServingAPI
-from qwenbatch.serving.protocol import CHAT_URL, COMPLETIONS_URL, RERANK_URL
+from qwenbatch.serving.protocol import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, RERANK_URL
 
 logger = logging.getLogger(__name__)
 
-ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, RERANK_URL)
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, RERANK_URL, EMBEDDINGS_URL)
 COMPLETION_WINDOWS = {"24h": 24 * 3600}  # OpenAI's only window
 MAX_REPORTED_ERRORS = 100  # a failed validation lists this many line errors at most
 PROGRESS_INTERVAL_S = 1.0  # how often request_counts are written while a batch runs

@@ -22,7 +22,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     rb.add_argument("-o", "--output", required=True, help="results file (OpenAI Batch output lines), or - for stdout")
     rb.add_argument("--input-format", choices=["auto", "openai", "jsonl", "prompts"], default="auto")
     rb.add_argument(
-        "--endpoint", choices=["chat", "completions"], default="chat", help="where plain-text prompts go (default chat)"
+        "--endpoint",
+        choices=["chat", "completions", "embeddings"],
+        default="chat",
+        help="where plain-text prompts go (default chat; embeddings for an embedding model)",
     )
     rb.add_argument("--max-tokens", type=int, help="default max_tokens for lines that set none")
     rb.add_argument("--temperature", type=float, help="default temperature for lines that set none")
@@ -63,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
 
-    from qwenbatch.batch.jsonl import CHAT_URL, COMPLETIONS_URL
+    from qwenbatch.batch.jsonl import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL
     from qwenbatch.batch.runner import BatchOptions, run_batch
 
     backend_name = args.backend or ("server" if args.server else "local")
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     }
     options = BatchOptions(
         input_format=args.input_format,
-        prompt_url=CHAT_URL if args.endpoint == "chat" else COMPLETIONS_URL,
+        prompt_url={"chat": CHAT_URL, "completions": COMPLETIONS_URL, "embeddings": EMBEDDINGS_URL}[args.endpoint],
         defaults=defaults,
         resume=args.resume and args.output != "-",
         ordered=args.ordered,

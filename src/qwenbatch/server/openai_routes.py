@@ -13,6 +13,7 @@ from qwenbatch.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     RerankRequest,
     ScoreRequest,
     TokenizeRequest,
@@ -56,6 +57,12 @@ async def rerank(body: RerankRequest, raw: Request):
 @router.post("/v1/score")
 async def score(body: ScoreRequest, raw: Request):
     work = _serving(raw).rerank.score(body, allowed_priority(raw, body.priority))
+    return _respond(await until_disconnect(work, raw), raw)
+
+
+@router.post("/v1/embeddings")
+async def create_embedding(body: EmbeddingRequest, raw: Request):
+    work = _serving(raw).embedding.create(body, allowed_priority(raw, body.priority))
     return _respond(await until_disconnect(work, raw), raw)
 
 

@@ -8,13 +8,16 @@ from pydantic import BaseModel, ValidationError
 from qwenbatch.engine.async_engine import AsyncEngine
 from qwenbatch.serving.chat import OpenAIServingChat
 from qwenbatch.serving.completion import OpenAIServingCompletion
+from qwenbatch.serving.embedding import OpenAIServingEmbedding
 from qwenbatch.serving.errors import APIError, validation_error
 from qwenbatch.serving.protocol import (
     CHAT_URL,
     COMPLETIONS_URL,
+    EMBEDDINGS_URL,
     RERANK_URL,
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     RerankRequest,
 )
 from qwenbatch.serving.rerank import OpenAIServingRerank
@@ -22,7 +25,7 @@ from qwenbatch.serving.tokenization import OpenAIServingTokenization
 
 
 class OpenAIServingAPI:
-    """The chat, completions, rerank and tokenization handlers of one engine client."""
+    """The chat, completions, rerank, embeddings and tokenization handlers of one engine client."""
 
     def __init__(self, engine: AsyncEngine, served_model_names: list[str]) -> None:
         self.engine = engine
@@ -30,11 +33,13 @@ class OpenAIServingAPI:
         self.chat = OpenAIServingChat(engine, served_model_names)
         self.completion = OpenAIServingCompletion(engine, served_model_names)
         self.rerank = OpenAIServingRerank(engine, served_model_names)
+        self.embedding = OpenAIServingEmbedding(engine, served_model_names)
         self.tokenization = OpenAIServingTokenization(engine, served_model_names)
         self._routes = {
             CHAT_URL: (ChatCompletionRequest, self.chat.create),
             COMPLETIONS_URL: (CompletionRequest, self.completion.create),
             RERANK_URL: (RerankRequest, self.rerank.rerank),
+            EMBEDDINGS_URL: (EmbeddingRequest, self.embedding.create),
         }
 
     async def call(self, url: str, body: dict, priority: int = 0) -> tuple[int, dict]:

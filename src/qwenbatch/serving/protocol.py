@@ -40,6 +40,7 @@ def _holds_non_unicode(value: Any) -> bool:
 
 # The routes a batch line may name (OpenAI's Batch API: /v1/chat/completions and /v1/completions; ours adds rerank).
 CHAT_URL, COMPLETIONS_URL, RERANK_URL = "/v1/chat/completions", "/v1/completions", "/v1/rerank"
+EMBEDDINGS_URL = "/v1/embeddings"
 
 
 class _Request(BaseModel):
@@ -325,6 +326,29 @@ class RerankRequest(_Request):
     top_n: PositiveInt | None = None
     instruction: str | None = None
     return_documents: bool = True
+
+
+MAX_EMBEDDING_INPUTS = 2048  # texts in one embeddings request (OpenAI's limit)
+
+
+class EmbeddingRequest(_Request):
+    """OpenAI's /v1/embeddings: a text, texts, token ids or lists of them, each embedded alone."""
+
+    model: str | None = None
+    priority: Priority = 0
+    input: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+        | Annotated[list[NonNegativeInt], Field(min_length=1)]
+        | Annotated[
+            list[Annotated[list[NonNegativeInt], Field(min_length=1)]],
+            Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS),
+        ]
+    )
+    encoding_format: Literal["float", "base64"] = "float"  # base64: float32 little-endian bytes (the SDK's default)
+    dimensions: PositiveInt | None = None  # the first this many values, normalized again (Matryoshka; Qwen3-Embedding)
+    user: str | None = None
+    truncate_prompt_tokens: PositiveInt | None = None  # vLLM's: keep the last this many tokens of a longer input
 
 
 class ScoreRequest(_Request):
