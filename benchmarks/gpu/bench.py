@@ -133,6 +133,35 @@ def parity(folder: Path, device: str, engine: dict) -> dict:
     return result
 
 
+def scoring_parity(folder: Path, device: str, engine: dict) -> dict:
+    """(0'): prompt logprobs (each prompt token's, chunked at a 16-token budget) and embeddings (task embed: the last
+    token's normalized final state) against transformers' in float32; the largest differences."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = list(range(10, 200, 3))
+    ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
+    with torch.inference_mode():
+        ids = torch.tensor([prompt], device=device)
+        logprobs = torch.log_softmax(ref(ids).logits[0].float(), dim=-1).cpu()
+        state = torch.nn.functional.normalize(ref.model(ids).last_hidden_state[0, -1].float(), dim=-1).cpu()
+    del ref
+    llm = LLM(model=str(folder), dtype="float32", max_num_batched_tokens=16, **engine)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    del llm
+    release(device)
+    logprob_error = max(abs(out.prompt_logprobs[i][t] - logprobs[i - 1, t].item()) for i, t in enumerate(prompt) if i)
+    llm = LLM(model=str(folder), dtype="float32", task="embed", **engine)
+    [embedded] = llm.embed([prompt], use_tqdm=False)
+    del llm
+    release(device)
+    embedding_error = (torch.tensor(embedded.embedding) - state).abs().max().item()
+    return {
+        "prompt_logprobs_max_error": logprob_error,
+        "embedding_max_error": embedding_error,
+        "ok": logprob_error < 1e-3 and embedding_error < 1e-4,
+    }
+
+
 def run_ours(name: str, requests: list[BenchRequest], engine: dict, device: str) -> dict:
     """One offline run of ``requests`` (temperature 0.6 as nano-vllm's benchmark, eos ignored)."""
     reset_peak(device)  # so that the "before" peaks are this engine's start-up
@@ -335,6 +364,7 @@ def main() -> None:
         work_b = random_workload(n_b, len_b, len_b, seed=0, vocab_size=vocab)
         phases = [  # the baseline last: it is the slowest, and a lease may end before it
             ("parity", lambda: parity(folder, device, {**common, "max_num_seqs": 8})),
+            ("scoring_parity", lambda: scoring_parity(folder, device, common)),
             ("a", lambda: run_ours(f"qwenbatch (a) {n_a}x{in_a}->{out_a}", work_a, engine, device)),
             ("b", lambda: run_ours("qwenbatch (b) nano-vllm", work_b, engine, device)),
             ("batch1", lambda: batch1_decode(engine, device, b1, vocab)),
@@ -372,6 +402,7 @@ def main() -> None:
             f"{r['peak_memory_gib']:>9.2f} {r['wall_s']:>8.2f}"
         )
     print(f"(0) parity: {report['parity']}; (b) / (c) output tok/s: {report.get('b_over_c', 'n/a')}")
+    print(f"(0') prompt logprobs and embeddings against transformers: {report['scoring_parity']}")
     print(f"(d) batch-1 decode tok/s: {report['batch1']}")
     print(f"(e) sampler, Qwen3's generation config, ms a call: {report['sampler']}")
     if "kernel_tests" in report:
