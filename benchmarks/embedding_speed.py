@@ -71,7 +71,7 @@ def ours(folder: Path, dtype: str, texts: list[str]) -> dict:
     outputs = llm.embed(texts, use_tqdm=False)
     wall = time.perf_counter() - started
     tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    return {"wall_s": wall, "tokens": tokens, "vectors": [o.embedding for o in outputs]}
+    return {"wall_s": wall, "tokens": tokens, "vectors": [o.embedding.tolist() for o in outputs]}
 
 
 def baseline(folder: Path, dtype: str, texts: list[str], sizes: list[int], best: int | None) -> dict:

@@ -62,7 +62,7 @@ def test_embeddings_equal_the_model_cards_transformers_code(folder, cpu_kernels)
     ids, expected = reference(folder, TEXTS)
     eos = llm.tokenizer.hf.convert_tokens_to_ids("<|endoftext|>")
     assert [o.prompt_token_ids for o in outputs] == ids and all(i[-1] == eos for i in ids)
-    got = torch.tensor([o.embedding for o in outputs])
+    got = torch.stack([o.embedding for o in outputs])
     assert torch.allclose(got, expected, atol=1e-5)
     assert torch.allclose(got.norm(dim=-1), torch.ones(len(TEXTS)), atol=1e-5)
 
@@ -73,9 +73,9 @@ def test_token_ids_and_truncation(folder):
     [as_ids, truncated] = llm.embed([ids[0], TEXTS[0]], truncate_prompt_tokens=5, use_tqdm=False)
     _, last_five = reference_of_ids(folder, ids[0][-5:])
     assert as_ids.prompt_token_ids == ids[0][-5:] == truncated.prompt_token_ids
-    assert torch.allclose(torch.tensor(truncated.embedding), last_five, atol=1e-5)
+    assert torch.allclose(truncated.embedding, last_five, atol=1e-5)
     [whole] = llm.embed([ids[0]], use_tqdm=False)
-    assert torch.allclose(torch.tensor(whole.embedding), expected[0], atol=1e-5)
+    assert torch.allclose(whole.embedding, expected[0], atol=1e-5)
 
 
 def reference_of_ids(folder: Path, ids: list[int]) -> tuple[list[int], torch.Tensor]:
@@ -90,7 +90,7 @@ def reference_of_ids(folder: Path, ids: list[int]) -> tuple[list[int], torch.Ten
 def test_an_untied_checkpoint_without_a_head_embeds_but_does_not_generate(tmp_path):
     folder = make_embedding_model(tmp_path / "Qwen3-Embedding-untied", tie_word_embeddings=False)
     [out] = LLM(str(folder), dtype="float32").embed(TEXTS[:1], use_tqdm=False)
-    assert torch.allclose(torch.tensor(out.embedding), reference(folder, TEXTS[:1])[1][0], atol=1e-5)
+    assert torch.allclose(out.embedding, reference(folder, TEXTS[:1])[1][0], atol=1e-5)
     with pytest.raises(ValueError, match=r"missing tensors: lm_head\.weight"):
         LLM(str(folder), dtype="float32", task="generate")
 

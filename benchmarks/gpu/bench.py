@@ -154,7 +154,7 @@ def scoring_parity(folder: Path, device: str, engine: dict) -> dict:
     [embedded] = llm.embed([prompt], use_tqdm=False)
     del llm
     release(device)
-    embedding_error = (torch.tensor(embedded.embedding) - state).abs().max().item()
+    embedding_error = (embedded.embedding - state).abs().max().item()
     return {
         "prompt_logprobs_max_error": logprob_error,
         "embedding_max_error": embedding_error,

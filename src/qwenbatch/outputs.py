@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -49,7 +53,8 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     score: float | None = None  # a scoring request's P(yes) (reranker); outputs is empty then
-    embedding: list[float] | None = None  # an embedding request's vector, L2-normalized; outputs is empty then
+    # An embedding request's vector, L2-normalized (float32 [hidden], on the CPU); outputs is empty then.
+    embedding: torch.Tensor | None = None
     # SamplingParams.prompt_logprobs: per prompt token, None for the first, then {token id: logprob} holding the
     # prompt's token and the top ones at that position; and the prompt token's rank there (1: the likeliest). A
     # streaming request has them in its first output only.

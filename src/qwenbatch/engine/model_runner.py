@@ -54,8 +54,8 @@ class ModelRunnerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
     non_finite: list[bool]  # the sequence's logits held NaN/inf
-    # Per score-only sequence, in scheduling order: P(yes) (rerank) or its embedding (embed).
-    pooled: list[float] | list[list[float]] = field(default_factory=list)
+    # Per score-only sequence, in scheduling order: P(yes) (rerank) or its embedding (embed: float32 [hidden], CPU).
+    pooled: list[float] | list[torch.Tensor] = field(default_factory=list)
     prompt_logprobs: dict[int, PromptLogprobsChunk] = field(default_factory=dict)
 
 
@@ -276,9 +276,10 @@ class ModelRunner:
             chunk.ranks += ranks
         return chunk
 
-    def _embeddings(self, hidden: torch.Tensor) -> list[list[float]]:
-        """Each row's final hidden state (after the last norm) L2-normalized in float32: last-token pooling."""
-        return torch.nn.functional.normalize(hidden.float(), dim=-1).tolist()
+    def _embeddings(self, hidden: torch.Tensor) -> list[torch.Tensor]:
+        """Each row's final hidden state (after the last norm) L2-normalized in float32, on the CPU: last-token
+        pooling. Tensors, not lists: a Python float list of 1,024 values holds 8x the memory of its 4 KB."""
+        return list(torch.nn.functional.normalize(hidden.float(), dim=-1).cpu())
 
     def _scores(self, hidden: torch.Tensor) -> list[float]:
         """P(yes) from a float32 softmax over the logits of "no" and "yes" only (two LM-head rows)."""

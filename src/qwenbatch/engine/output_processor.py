@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import math
 
+import torch
+
 from qwenbatch.engine.request import EngineRequest
 from qwenbatch.engine.sequence import Sequence
 from qwenbatch.outputs import CompletionOutput, RequestOutput
@@ -60,11 +62,11 @@ class OutputProcessor:
             return "length"
         return None
 
-    def process_pooled(self, req: EngineRequest, seq: Sequence, value: float | list[float]) -> str:
+    def process_pooled(self, req: EngineRequest, seq: Sequence, value: float | torch.Tensor) -> str:
         """Record a score-only sequence's P(yes) or embedding; its finish reason ("error" if not finite)."""
         state = req.samples[seq.index]
-        if isinstance(value, list):
-            if all(map(math.isfinite, value)):
+        if isinstance(value, torch.Tensor):
+            if bool(torch.isfinite(value).all()):
                 state.embedding = value
                 return "stop"
         elif math.isfinite(value):

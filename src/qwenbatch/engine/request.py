@@ -26,7 +26,7 @@ class SampleState:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: str | None = None  # set with finish_reason "error"
     score: float | None = None  # a score-only sequence's P(yes)
-    embedding: list[float] | None = None  # an embedding model's score-only sequence: its normalized vector
+    embedding: torch.Tensor | None = None  # an embedding model's score-only sequence: its normalized vector
     grammar: OutputGrammar | None = None  # what a structured output must still match
     num_streamed_tokens: int = 0
     num_streamed_chars: int = 0

@@ -45,7 +45,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         for i, output in enumerate(outputs):
             if output.embedding is None:
                 raise APIError(500, output.outputs[0].error if output.outputs else "no embedding", "server_error")
-            vector = self._shaped(np.asarray(output.embedding, dtype=np.float32), body.dimensions)
+            vector = self._shaped(output.embedding.numpy(), body.dimensions)
             encoded = (
                 base64.b64encode(vector.astype("<f4").tobytes()).decode()
                 if body.encoding_format == "base64"
