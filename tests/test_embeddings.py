@@ -76,6 +76,10 @@ def test_token_ids_and_truncation(folder):
     assert torch.allclose(truncated.embedding, last_five, atol=1e-5)
     [whole] = llm.embed([ids[0]], use_tqdm=False)
     assert torch.allclose(whole.embedding, expected[0], atol=1e-5)
+    for one in (TEXTS[0], ids[0]):  # one prompt, not a list of them (its characters or its ids)
+        [alone] = llm.embed(one, use_tqdm=False)
+        assert torch.allclose(alone.embedding, expected[0], atol=1e-5)
+    assert truncated.prompt is None  # the text no longer matches the ids
 
 
 def reference_of_ids(folder: Path, ids: list[int]) -> tuple[list[int], torch.Tensor]:

@@ -98,6 +98,22 @@ def test_a_streaming_request_sends_them_in_its_first_output(tiny_qwen3):
     assert all(d.prompt_logprobs is None for d in deltas[1:])
 
 
+def test_a_second_sample_from_a_cached_prompt_waits_for_the_first_ones_logprobs(tiny_qwen3):
+    # The second sequence takes the cached prompt and samples at once; the first still computes its logprobs in
+    # chunks of 16. No delta may carry a partial list.
+    llm = LLM(str(tiny_qwen3), dtype="float32", max_num_batched_tokens=16)
+    llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # caches the prompt
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1, n=2)
+    engine.add_request("s", PROMPT, params, stream=True)
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    carrying = [d for d in deltas if d.prompt_logprobs is not None]
+    assert len(carrying) == 1 and carrying[0] is deltas[0] and len(carrying[0].prompt_logprobs) == len(PROMPT)
+    assert sum(len(c.token_ids) for d in deltas for c in d.outputs) == 6  # held back, not lost
+
+
 def test_a_one_token_prompt_has_only_the_first_entry(tiny_qwen3):
     out = LLM(str(tiny_qwen3), dtype="float32").generate(
         [[PROMPT[0]]], SamplingParams(max_tokens=1, prompt_logprobs=5), use_tqdm=False
@@ -143,6 +159,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_an_evaluation_harness_reads_it(
     choice = only_prompt["choices"][0]
     assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
     assert choice["text"] == tiny_server.app.state.serving.engine.inputs.decode(PROMPT)
+    assert choice["finish_reason"] == "length" and "stop_reason" not in choice  # nothing generated
     assert only_prompt["usage"]["completion_tokens"] == 0
     refused = post(tiny_server, "/v1/completions", prompt=PROMPT, max_tokens=0)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"

@@ -53,8 +53,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids":
         ...}`` dicts); outputs come back in prompt order."""
-        one_token_list = isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
-        if isinstance(prompts, str | Mapping) or one_token_list:
+        if _one_prompt(prompts):
             prompts = [prompts]
         params = sampling_params or self.get_default_sampling_params()
         results: dict[int, RequestOutput] = {}
@@ -90,6 +89,8 @@ class LLM:
         L2-normalized) as ``RequestOutput.embedding``, in input order; ``truncate_prompt_tokens`` keeps the last
         ones of a longer prompt."""
         inputs = self.engine.inputs
+        if _one_prompt(prompts):
+            prompts = [prompts]
 
         def makers() -> Iterator[Callable[[str], EngineRequest]]:
             for prompt in prompts:
@@ -206,3 +207,9 @@ class LLM:
             for completion in output.outputs:
                 completion.reasoning_content, completion.text = split_reasoning(completion.text, opened)
         return outputs
+
+
+def _one_prompt(prompts: object) -> bool:
+    """Whether ``prompts`` is one prompt (a text, a dict, a list of token ids) rather than a list of them."""
+    one_token_list = isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+    return isinstance(prompts, str | Mapping) or one_token_list

@@ -288,7 +288,7 @@ class InputProcessor:
             token_ids = self._as_token_ids(prompt)
         if truncate_prompt_tokens is not None:
             token_ids = token_ids[-truncate_prompt_tokens:]
-        text = prompt if isinstance(prompt, str) else None
+        text = prompt if isinstance(prompt, str) and truncate_prompt_tokens is None else None  # as _tokenize's
         return self._pooling_request(request_id, text, token_ids, priority, "the input")
 
     def make_score_requests(

@@ -82,6 +82,8 @@ class LLMEngine:
             # The "no" and "yes" rows of the LM head, in float32, before the kernels change its layout.
             rows = list(score_token_ids(self.tokenizer))
             score_weight = loaded.model.lm_head.weight.detach()[rows].float().clone()
+        if self.task == "embed":  # logits never run: no packed or quantized copy of the vocabulary's rows
+            loaded.model.lm_head = torch.nn.Identity()
         kernels = prepare_kernels(
             loaded.model,
             self.dtype,

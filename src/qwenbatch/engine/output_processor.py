@@ -123,8 +123,12 @@ class OutputProcessor:
     def delta_output(self, req: EngineRequest) -> RequestOutput | None:
         """What is new since the last delta: tokens, text that no stop string can still cut, logprobs.
 
-        Sequences with nothing new are left out; None when no sequence has anything to report.
+        Sequences with nothing new are left out; None when no sequence has anything to report. A request with
+        prompt logprobs reports nothing until they are all computed (its first sequence computes them, and another
+        may start sampling from a cached prompt before), then sends them in that first delta.
         """
+        if req.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt_token_ids):
+            return None
         outputs = []
         for seq, state in zip(req.seqs, req.samples, strict=True):
             tokens = seq.token_ids[seq.num_prompt_tokens + state.num_streamed_tokens :]
@@ -155,7 +159,7 @@ class OutputProcessor:
         if not outputs:
             return None
         out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, finished=req.finished)
-        if not req.prompt_logprobs_reported:
-            out.prompt_logprobs, out.prompt_token_ranks = req.prompt_logprobs, req.prompt_token_ranks
+        if not req.prompt_logprobs_reported and req.prompt_logprobs is not None:
+            out.prompt_logprobs, out.prompt_token_ranks = list(req.prompt_logprobs), list(req.prompt_token_ranks)
             req.prompt_logprobs_reported = True
         return out

@@ -94,7 +94,7 @@ class OpenAIServingChat(OpenAIServing):
             model=view.model,
             choices=choices,
             usage=usage(output.num_prompt_tokens, output.num_output_tokens),
-            prompt_logprobs=prompt_logprobs_json(output, tokenizer),
+            prompt_logprobs=await self.process(lambda _: prompt_logprobs_json(output, tokenizer)),
         )
 
 

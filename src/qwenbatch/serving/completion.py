@@ -51,7 +51,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 400, "max_tokens must be at least 1 (0 only with echo: the prompt alone)", param="max_tokens"
             )
         # echo with logprobs: the prompt tokens' logprobs come first (vLLM's), as an evaluation harness reads them.
-        prompt_logprobs = body.logprobs if body.echo and body.prompt_logprobs is None else None
+        prompt_logprobs = None
+        if body.echo and body.logprobs is not None:  # the echoed prompt's top ones as many as the output's
+            prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
         max_tokens = 1 if echo_only else body.max_tokens  # the one token that ends the prompt's step is dropped
         params = sampling_params(body, max_tokens, body.logprobs, inputs.sampling_defaults, prompt_logprobs)
         await self.check_params(body, params, inputs)
@@ -73,7 +75,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = []
         for i, (request, output) in enumerate(zip(requests, outputs, strict=True)):
             view.keep_prompt_logprobs(i, output)
-            field = prompt_logprobs_json(output, inputs.tokenizer)
+            field = await self.process(lambda _: prompt_logprobs_json(output, inputs.tokenizer))  # noqa: B023
             for c in output.outputs:
                 choices.append(view.choice(i, request, c).model_copy(update={"prompt_logprobs": field}))
         num_output = 0 if echo_only else sum(o.num_output_tokens for o in outputs)
@@ -116,6 +118,8 @@ class _CompletionView:
             if self.echo and first:
                 self._add_logprobs(logprobs, request.prompt_token_ids, self.prompt_logprobs.get(prompt_index), 0)
             self._add_logprobs(logprobs, token_ids, entries, start)
+        if self.echo_only:  # nothing generated: the length allowed was 0 (OpenAI's answer too)
+            return CompletionChoice(index=index, text=prompt, finish_reason="length", logprobs=logprobs)
         return CompletionChoice(
             index=index, text=prompt + text, finish_reason=c.finish_reason, logprobs=logprobs, stop_reason=c.stop_reason
         )
