@@ -110,15 +110,37 @@ def test_each_engine_refuses_the_other_task(folder, tiny_qwen3):
 
 
 @pytest.fixture(scope="module")
-def server(folder):
+def server(folder, tmp_path_factory):
     from qwenbatch.config import EngineConfig
     from qwenbatch.server.app import ServerSettings
     from server_harness import RunningServer
 
-    with RunningServer(
-        ServerSettings(served_model_names=["embed"]), EngineConfig(model=str(folder), dtype="float32")
-    ) as s:
+    settings = ServerSettings(served_model_names=["embed"], data_dir=tmp_path_factory.mktemp("batch-data"))
+    with RunningServer(settings, EngineConfig(model=str(folder), dtype="float32")) as s:
         yield s
+
+
+def test_the_batch_api_embeds_a_file(server, folder):
+    from openai import OpenAI
+
+    from server_harness import wait_for
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    lines = [
+        {"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/embeddings", "body": {"model": "embed", "input": t}}
+        for i, t in enumerate(TEXTS)
+    ]
+    upload = client.files.create(file=("in.jsonl", "\n".join(map(json.dumps, lines)).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h")
+    done = wait_for(
+        lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed") and b, "the batch"
+    )
+    assert done.status == "completed" and done.request_counts.completed == len(TEXTS)
+    results = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
+    vectors = {r["custom_id"]: r["response"]["body"]["data"][0]["embedding"] for r in results}
+    _, expected = reference(folder, TEXTS)
+    got = torch.tensor([vectors[f"doc-{i}"] for i in range(len(TEXTS))])
+    assert torch.allclose(got, expected, atol=1e-5)
 
 
 def test_the_embeddings_endpoint_in_floats_base64_and_fewer_dimensions(server, folder):
