@@ -165,6 +165,7 @@ def test_the_embeddings_endpoint_in_floats_base64_and_fewer_dimensions(server, f
     for fields, param in (({"input": TEXTS[0], "dimensions": 65}, "dimensions"), ({"input": []}, "input")):
         refused = httpx.post(server.url + "/v1/embeddings", json={"model": "embed", **fields}, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    assert httpx.get(server.url + "/config", timeout=60).json()["task"] == "embed"  # what "auto" stood for
     chat = httpx.post(server.url + "/v1/completions", json={"model": "embed", "prompt": "hi"}, timeout=60)
     assert chat.status_code == 400 and "embeds texts" in chat.json()["error"]["message"]
 

@@ -50,11 +50,13 @@ class LLMEngine:
     """Continuous batching over one model: ``add_request``, then ``step`` until ``has_unfinished`` is False."""
 
     def __init__(self, config: EngineConfig) -> None:
-        # The batch limits this machine's device takes where they are unset (GET /config shows these).
+        # The batch limits this machine's device takes where they are unset, and the task "auto" stood for
+        # (GET /config shows these).
         config = dataclasses.replace(
             config,
             max_num_seqs=config.resolved_max_num_seqs,
             max_num_batched_tokens=config.resolved_max_num_batched_tokens,
+            task=config.resolved_task,
         )
         self.config = config
         self.dtype = config.torch_dtype
