@@ -15,38 +15,30 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from common import random_qwen3_0_6b  # benchmarks/ is on sys.path when this script runs
 
 from qwenbatch import LLM
 from qwenbatch.bench.isolation import alternating_rounds, in_fresh_process
 from qwenbatch.bench.machine import cpu_kind
-from qwenbatch.loader.default_model import default_model_dir
-from qwenbatch.loader.dummy import SHAPES
 
 WEIGHTS = Path("/tmp/qwenbatch-bench/Qwen3-Embedding-0.6B-random")
 
 
 def make_weights(dtype: torch.dtype) -> Path:
-    folder = WEIGHTS.with_name(f"{WEIGHTS.name}-{str(dtype).removeprefix('torch.')}")
-    if (folder / "config.json").is_file():
-        return folder
     from tokenizers import Tokenizer, processors
-    from transformers import AutoModel, Qwen3Config
+    from transformers import AutoModel
 
-    shape = {k: v for k, v in SHAPES["qwen3-reranker-0.6b"].items() if k != "architectures"}
-    torch.manual_seed(0)
-    AutoModel.from_config(Qwen3Config(**shape), dtype=dtype).save_pretrained(str(folder))
+    folder = WEIGHTS.with_name(f"{WEIGHTS.name}-{str(dtype).removeprefix('torch.')}")
+    if not random_qwen3_0_6b(folder, dtype, AutoModel):
+        return folder
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]}))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (default_model_dir() / name).is_file():
-            shutil.copy(default_model_dir() / name, folder / name)
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     eos = tokenizer.token_to_id("<|endoftext|>")
     tokenizer.post_processor = processors.TemplateProcessing(

@@ -21,18 +21,16 @@ import argparse
 import json
 import math
 import random
-import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from common import random_qwen3_0_6b  # benchmarks/ is on sys.path when this script runs
 
 from qwenbatch import LLM
 from qwenbatch.bench.isolation import alternating_rounds, in_fresh_process
-from qwenbatch.loader.default_model import default_model_dir
-from qwenbatch.loader.dummy import SHAPES
 from qwenbatch.rerank import DEFAULT_INSTRUCTION, PREFIX, SUFFIX
 from qwenbatch.tokenizer import Tokenizer
 
@@ -41,19 +39,10 @@ QUERIES = ["what is a hash table?", "how do I read a csv file in python?", "ไป€ไ
 
 
 def make_weights(dtype: torch.dtype) -> Path:
-    folder = WEIGHTS.with_name(f"{WEIGHTS.name}-{str(dtype).removeprefix('torch.')}")
-    if (folder / "config.json").is_file():
-        return folder
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
-    shape = {k: v for k, v in SHAPES["qwen3-reranker-0.6b"].items() if k != "architectures"}
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen3Config(**shape), dtype=dtype)
-    model.save_pretrained(str(folder))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        src = default_model_dir() / name
-        if src.is_file():
-            shutil.copy(src, folder / name)
+    folder = WEIGHTS.with_name(f"{WEIGHTS.name}-{str(dtype).removeprefix('torch.')}")
+    random_qwen3_0_6b(folder, dtype, AutoModelForCausalLM)
     return folder
 
 
