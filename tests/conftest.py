@@ -101,6 +101,48 @@ def make_checkpoint(folder: Path, arch: str, seed: int = 0, extra_tokens: tuple[
     return folder
 
 
+def make_moe_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
+    """A tiny random mixture-of-experts checkpoint saved the way real ones are (one tensor per expert):
+    "qwen3_moe" (renormalised top-2 of 8 experts, layer 1 dense) or "qwen2_moe" (a shared expert behind its gate,
+    experts in every other layer, a qkv bias)."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    common = tiny_shape(make_tokenizer(folder))
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    if arch == "qwen3_moe":
+        cfg = Qwen3MoeConfig(
+            **common, **moe, mlp_only_layers=[1], norm_topk_prob=True, head_dim=32, tie_word_embeddings=True
+        )
+    else:
+        cfg = Qwen2MoeConfig(
+            **common, **moe, decoder_sparse_step=2, shared_expert_intermediate_size=48, tie_word_embeddings=False
+        )
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="session", params=["qwen3_moe", "qwen2_moe"])
+def tiny_moe(request, tmp_path_factory) -> Path:
+    return make_moe_checkpoint(tmp_path_factory.mktemp(f"tiny-{request.param}"), request.param)
+
+
+@pytest.fixture(scope="module")
+def hf_reference():
+    """transformers' float32 model of a checkpoint folder, loaded once a module: ``hf_reference(folder)``."""
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def get(folder):
+        if folder not in cache:
+            cache[folder] = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        return cache[folder]
+
+    return get
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """Call it to make torch see one CUDA device (an H200's name and memory) for config code from then on;

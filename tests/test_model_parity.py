@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from qwenbatch import LLM, SamplingParams
 from qwenbatch.layers.attention import StepLayout, TorchAttentionMetadata
@@ -38,26 +36,19 @@ def our_logits(model, token_ids: list[int]) -> torch.Tensor:
         return model.compute_logits(hidden)
 
 
-@pytest.fixture(scope="module")
-def hf_reference():
-    cache = {}
-
-    def get(folder):
-        if folder not in cache:
-            cache[folder] = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-        return cache[folder]
-
-    return get
+def max_logit_error(folder, reference) -> float:
+    """The largest difference between our float32 logits of ``folder``'s model and ``reference``'s over PROMPTS."""
+    ours = load_hf_model(folder, torch.float32, torch.device("cpu"))
+    error = 0.0
+    for prompt in PROMPTS:
+        with torch.inference_mode():
+            expected = reference(torch.tensor([prompt])).logits[0]
+        error = max(error, (our_logits(ours, prompt) - expected).abs().max().item())
+    return error
 
 
 def test_logits_match_transformers(tiny_checkpoint, hf_reference):
-    ours = load_hf_model(tiny_checkpoint, torch.float32, torch.device("cpu"))
-    ref = hf_reference(tiny_checkpoint)
-    for prompt in PROMPTS:
-        with torch.inference_mode():
-            expected = ref(torch.tensor([prompt])).logits[0]
-        got = our_logits(ours, prompt)
-        assert (got - expected).abs().max().item() < 1e-4
+    assert max_logit_error(tiny_checkpoint, hf_reference(tiny_checkpoint)) < 1e-4
 
 
 def test_greedy_tokens_match_transformers_for_32_steps(tiny_checkpoint, hf_reference):

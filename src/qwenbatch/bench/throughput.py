@@ -42,11 +42,19 @@ class SystemResult:
 
 
 def matmul_params(cfg: ModelConfig) -> tuple[int, int]:
-    """(matmul parameters of the decoder layers, parameters of the LM head)."""
+    """(matmul parameters of the decoder layers that each token runs through, parameters of the LM head): a
+    mixture-of-experts layer counts its router, the experts a token uses and any shared expert."""
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    per_layer = h * (q + 2 * kv) + q * h + 2 * h * i + i * h
-    return per_layer * cfg.num_hidden_layers, cfg.vocab_size * h
+    h = cfg.hidden_size
+    attention = h * (q + 2 * kv) + q * h
+    sparse = len(cfg.sparse_layers)
+    layers = (attention + 3 * h * cfg.intermediate_size) * cfg.num_hidden_layers
+    if sparse:
+        moe = cfg.moe
+        experts = moe.experts_per_token * 3 * h * moe.intermediate_size
+        shared = (3 * h * moe.shared_intermediate_size + h) if moe.shared_intermediate_size else 0
+        layers += sparse * (h * moe.num_experts + experts + shared - 3 * h * cfg.intermediate_size)
+    return layers, cfg.vocab_size * h
 
 
 def run_ours(config: EngineConfig, requests: list[BenchRequest], llm=None) -> tuple[SystemResult, object]:

@@ -131,7 +131,11 @@ class LLMEngine:
                 logger.warning("step buffers not cached (the CPU kernels did not build): %s", e)
                 self._caches_step_buffers = False
         if device.type == "cuda" and not config.enforce_eager:
-            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
+            if loaded.config.moe is not None and self.dtype != torch.bfloat16:
+                # Only bf16 has torch's one-kernel grouped matmul; other dtypes' copy the group ends to the host.
+                logger.info("no decode CUDA graphs: a mixture of experts in %s runs its experts eagerly", self.dtype)
+            else:
+                self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         formatter = None
         if self.task == "rerank":
             formatter = RerankFormatter(self.tokenizer, min(DEFAULT_MAX_LENGTH, self.max_model_len))

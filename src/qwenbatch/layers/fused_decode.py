@@ -86,9 +86,10 @@ class FusedDecodeLayer:
 
 
 def fusable(layer: nn.Module) -> bool:
-    """A decoder layer whose four linears are Int8Linear or PackedLinear."""
+    """A decoder layer with a dense MLP (not a mixture of experts) whose four linears are Int8Linear or
+    PackedLinear."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if attn is None or mlp is None:
+    if attn is None or not hasattr(mlp, "gate_up_proj"):
         return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     return all(isinstance(m, FUSABLE_LINEARS) for m in linears)

@@ -39,6 +39,21 @@ SHAPES: dict[str, dict] = {
         "rope_theta": 5_000_000.0,
         "max_position_embeddings": 262144,
     },
+    # Qwen3-30B-A3B: 128 experts of width 768, 8 of them a token (3.3 B of its 30.5 B parameters).
+    "qwen3-30b-a3b": {
+        **_QWEN3_0_6B,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": False,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+    },
     "qwen2.5-0.5b": {
         "architectures": ["Qwen2ForCausalLM"],
         "vocab_size": 151936,

@@ -94,11 +94,11 @@ def _read_into(f, entry: TensorEntry, target: torch.Tensor) -> None:
 
 @dataclass(frozen=True)
 class _Part:
-    """One checkpoint tensor and the rows of our parameter it fills."""
+    """One checkpoint tensor and the part of our parameter it fills: rows, or (expert, rows) of stacked experts."""
 
     path: Path
     entry: TensorEntry
-    rows: slice
+    rows: slice | tuple[int, slice]
 
 
 class CheckpointReader:
@@ -162,8 +162,8 @@ class CheckpointReader:
                 _read_into(f, part.entry, target[part.rows])
 
     def read(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Rows ``start:stop`` of our parameter ``name`` as the checkpoint holds them, in float32 (a new
-        tensor); only those rows are read, so a large weight can be taken in slices."""
+        """Rows ``start:stop`` of our parameter ``name`` (a linear's weight, not stacked experts) as the checkpoint
+        holds them, in float32 (a new tensor); only those rows are read, so a large weight can be taken in slices."""
         shape = self._shapes[name]
         stop = shape[0] if stop is None else min(stop, shape[0])
         out = torch.empty((stop - start, *shape[1:]), dtype=torch.float32)

@@ -6,16 +6,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+_QWEN3_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # per-head q/k RMSNorm, an optional qkv bias
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The mixture-of-experts MLP of Qwen2-MoE / Qwen3-MoE: each token's MLP is the sum of its ``experts_per_token``
+    best-scored experts' SwiGLUs (of width ``intermediate_size``), weighted by their softmax scores (renormalised
+    over the chosen ones where ``norm_topk_prob``); Qwen2-MoE adds a shared expert of ``shared_intermediate_size``
+    behind a sigmoid gate. Layers listed in ``mlp_only_layers``, and those not at a multiple of
+    ``decoder_sparse_step``, keep a dense MLP of the model's ``intermediate_size``."""
+
+    num_experts: int
+    experts_per_token: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    shared_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based) has the experts rather than a dense MLP (transformers' rule)."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Qwen2/Qwen3 decoder.
+    """Shape and numerics of a Qwen2/Qwen3 decoder, dense or mixture-of-experts.
 
     Qwen2 and Qwen3 differ only in ``attention_bias`` (Qwen2 has a qkv bias) and ``qk_norm``
     (Qwen3 normalises queries and keys per head); Qwen3 also decouples ``head_dim`` from
-    ``hidden_size / num_attention_heads``.
+    ``hidden_size / num_attention_heads``. The -MoE architectures add ``moe`` (None for dense models).
     """
 
     architecture: str
@@ -34,6 +56,7 @@ class ModelConfig:
     qk_norm: bool
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    moe: MoeConfig | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -71,7 +94,7 @@ class ModelConfig:
         rope_theta = cfg.get("rope_theta")
         if rope_theta is None:  # transformers 5 nests it under rope_parameters
             rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        qwen3 = arch == "Qwen3ForCausalLM"
+        qwen3 = arch in _QWEN3_ARCHITECTURES
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         return cls(
@@ -87,12 +110,21 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has a qkv bias (its config has no switch); Qwen3 reads the flag.
-            attention_bias=bool(cfg.get("attention_bias", False)) if qwen3 else True,
+            # Qwen2 always has a qkv bias (its config has no switch), Qwen2-MoE unless qkv_bias says not; Qwen3
+            # reads the flag.
+            attention_bias=bool(cfg.get("attention_bias", False)) if qwen3 else bool(cfg.get("qkv_bias", True)),
             qk_norm=qwen3,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
+            moe=_moe_config(cfg, need, source) if arch.endswith("MoeForCausalLM") else None,
         )
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The decoder layers whose MLP is the experts (none for a dense model)."""
+        if self.moe is None:
+            return ()
+        return tuple(i for i in range(self.num_hidden_layers) if self.moe.is_sparse(i))
 
     @classmethod
     def from_folder(cls, folder: Path) -> ModelConfig:
@@ -112,3 +144,25 @@ class ModelConfig:
             if gen.get("eos_token_id") is not None:
                 cfg = {**cfg, "eos_token_id": gen["eos_token_id"]}
         return cls.from_hf_dict(cfg, source=str(path))
+
+
+def _moe_config(cfg: dict[str, Any], need, source: str) -> MoeConfig:
+    # transformers 5 saves the expert count as num_local_experts; the published configs say num_experts.
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+        raise ValueError(f"{source}: missing or bad field 'num_experts': {num_experts!r}")
+    per_token = need("num_experts_per_tok")
+    if not 1 <= per_token <= num_experts:
+        raise ValueError(
+            f"{source}: num_experts_per_tok ({per_token}) must be between 1 and num_experts ({num_experts})"
+        )
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    return MoeConfig(
+        num_experts=num_experts,
+        experts_per_token=per_token,
+        intermediate_size=need("moe_intermediate_size"),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        decoder_sparse_step=step,
+        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+    )

@@ -10,6 +10,8 @@ from qwenbatch.models.qwen import QwenForCausalLM
 _REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": QwenForCausalLM,
     "Qwen3ForCausalLM": QwenForCausalLM,
+    "Qwen2MoeForCausalLM": QwenForCausalLM,
+    "Qwen3MoeForCausalLM": QwenForCausalLM,
 }
 assert set(_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 

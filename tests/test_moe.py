@@ -1,0 +1,110 @@
+"""Qwen2-MoE and Qwen3-MoE checkpoints: loaded as published, computing what transformers computes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qwenbatch import LLM, SamplingParams
+from qwenbatch.bench.throughput import matmul_params
+from qwenbatch.loader.dummy import dummy_config
+from qwenbatch.loader.hf import load_hf_model
+from qwenbatch.models.config import ModelConfig
+from qwenbatch.models.qwen import QwenForCausalLM
+from test_model_parity import PROMPTS, max_logit_error
+
+
+def test_logits_match_transformers(tiny_moe, hf_reference):
+    assert max_logit_error(tiny_moe, hf_reference(tiny_moe)) < 1e-4
+
+
+@pytest.mark.parametrize("cpu_kernels", ["off", "on"])
+def test_greedy_tokens_match_transformers_for_32_steps(tiny_moe, hf_reference, cpu_kernels):
+    # A 16-token budget chunks the longest prompt and mixes its chunks with other sequences' decodes.
+    llm = LLM(
+        model=str(tiny_moe),
+        dtype="float32",
+        cpu_kernels=cpu_kernels,
+        kv_cache_memory=16 * 2**20,
+        max_num_batched_tokens=16,
+    )
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        with torch.inference_mode():
+            expected = hf_reference(tiny_moe).generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=32, min_new_tokens=32, pad_token_id=0
+            )[0, len(prompt) :]
+        assert output.outputs[0].token_ids == expected.tolist()
+
+
+def test_a_compiled_engine_runs_the_experts_as_the_eager_one_does(tiny_moe):
+    common = dict(model=str(tiny_moe), dtype="float32", kv_cache_memory=8 * 2**20)
+    eager, compiled = LLM(**common), LLM(**common, compile=True)
+    sequence = [5, 9, 14, 3, 7, 21, 11, 4, 8, 30, 6, 17]
+    want = eager.engine.runner.sequence_logits(sequence)
+    torch.testing.assert_close(compiled.engine.runner.sequence_logits(sequence), want, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_leaves_the_router_and_the_experts_as_loaded(tiny_moe):
+    # The router's choice must not move with int8 rounding, and the experts are not nn.Linear layers.
+    llm = LLM(model=str(tiny_moe), dtype="bfloat16", quantization="int8", kv_cache_memory=8 * 2**20)
+    model = llm.engine.runner.model
+    sparse = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    assert sparse
+    files = load_file(str(tiny_moe / "model.safetensors"))
+    for index, layer in enumerate(model.model.layers):
+        if not hasattr(layer.mlp, "experts"):
+            continue
+        router = files[f"model.layers.{index}.mlp.gate.weight"].to(torch.bfloat16)
+        assert torch.equal(layer.mlp.gate.weight, router)
+        gate = files[f"model.layers.{index}.mlp.experts.3.gate_proj.weight"].to(torch.bfloat16)
+        assert torch.equal(layer.mlp.experts.gate_up_proj[3, : gate.shape[0]], gate)
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_a_missing_expert_tensor_is_named(tiny_moe, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_moe, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = f"model.layers.{ModelConfig.from_folder(folder).sparse_layers[0]}.mlp.experts.5.up_proj.weight"
+    del tensors[name]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"missing tensors: {name}$"):
+        load_hf_model(folder, torch.float32, torch.device("cpu"))
+
+
+def test_bad_expert_fields_are_named(tiny_moe):
+    cfg = json.loads((tiny_moe / "config.json").read_text())
+    with pytest.raises(ValueError, match="missing field 'moe_intermediate_size'"):
+        ModelConfig.from_hf_dict({k: v for k, v in cfg.items() if k != "moe_intermediate_size"})
+    with pytest.raises(ValueError, match=r"num_experts_per_tok \(9\) must be between 1 and num_experts \(8\)"):
+        ModelConfig.from_hf_dict({**cfg, "num_experts_per_tok": 9})
+
+
+def test_the_sparse_layers_follow_transformers_rule(tiny_moe, hf_reference):
+    ours = load_hf_model(tiny_moe, torch.float32, torch.device("cpu"))
+    for layer, theirs in zip(ours.model.layers, hf_reference(tiny_moe).model.layers, strict=True):
+        assert hasattr(layer.mlp, "experts") == hasattr(theirs.mlp, "experts")
+
+
+def test_flops_count_the_experts_a_token_runs():
+    # Qwen3-30B-A3B's model card: 30.5B parameters, 3.3B of them activated a token.
+    cfg = dummy_config("qwen3-30b-a3b")
+    with torch.device("meta"):
+        params = dict(QwenForCausalLM(cfg).named_parameters())
+    total = sum(p.numel() for p in params.values())
+    assert round(total / 1e9, 1) == 30.5
+    unused_experts = sum(
+        p.numel() * (cfg.moe.num_experts - cfg.moe.experts_per_token) // cfg.moe.num_experts
+        for name, p in params.items()
+        if ".experts." in name
+    )
+    not_matmuls = sum(p.numel() for name, p in params.items() if "norm" in name or "embed_tokens" in name)
+    layers, head = matmul_params(cfg)
+    assert layers + head == total - unused_experts - not_matmuls
+    assert int((layers + head + params["model.embed_tokens.weight"].numel()) / 1e8) == 33
