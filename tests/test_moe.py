@@ -11,6 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from qwenbatch import LLM, SamplingParams
 from qwenbatch.bench.throughput import matmul_params
+from qwenbatch.layers.cpu_experts import Int8Experts
+from qwenbatch.layers.int8_linear import dequantize, quantize_weight
+from qwenbatch.layers.moe import GroupedExperts, TopKRouter
 from qwenbatch.loader.dummy import dummy_config
 from qwenbatch.loader.hf import load_hf_model
 from qwenbatch.models.config import ModelConfig
@@ -49,20 +52,15 @@ def test_a_compiled_engine_runs_the_experts_as_the_eager_one_does(tiny_moe):
     torch.testing.assert_close(compiled.engine.runner.sequence_logits(sequence), want, rtol=1e-4, atol=1e-4)
 
 
-def test_int8_leaves_the_router_and_the_experts_as_loaded(tiny_moe):
-    # The router's choice must not move with int8 rounding, and the experts are not nn.Linear layers.
+def test_int8_quantizes_the_experts_and_leaves_the_router_as_loaded(tiny_moe):
+    # The router's choice must not move with int8 rounding; the experts, most of the bytes, run in the int8 kernel.
     llm = LLM(model=str(tiny_moe), dtype="bfloat16", quantization="int8", kv_cache_memory=8 * 2**20)
-    model = llm.engine.runner.model
-    sparse = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
-    assert sparse
     files = load_file(str(tiny_moe / "model.safetensors"))
-    for index, layer in enumerate(model.model.layers):
-        if not hasattr(layer.mlp, "experts"):
-            continue
-        router = files[f"model.layers.{index}.mlp.gate.weight"].to(torch.bfloat16)
-        assert torch.equal(layer.mlp.gate.weight, router)
-        gate = files[f"model.layers.{index}.mlp.experts.3.gate_proj.weight"].to(torch.bfloat16)
-        assert torch.equal(layer.mlp.experts.gate_up_proj[3, : gate.shape[0]], gate)
+    sparse = ModelConfig.from_folder(tiny_moe).sparse_layers
+    for index in sparse:
+        mlp = llm.engine.runner.model.model.layers[index].mlp
+        assert torch.equal(mlp.gate.weight, files[f"model.layers.{index}.mlp.gate.weight"].to(torch.bfloat16))
+        assert isinstance(mlp.experts, Int8Experts)
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
 
@@ -108,3 +106,19 @@ def test_flops_count_the_experts_a_token_runs():
     layers, head = matmul_params(cfg)
     assert layers + head == total - unused_experts - not_matmuls
     assert int((layers + head + params["model.embed_tokens.weight"].numel()) / 1e8) == 33
+
+
+def test_int8_experts_compute_each_tokens_experts_on_their_int8_weights():
+    torch.manual_seed(0)
+    experts = GroupedExperts(num_experts=8, hidden_size=64, intermediate_size=32)
+    for stacked in (experts.gate_up_proj, experts.down_proj):
+        for e in range(8):  # the weights int8 would hold, so that only the kernel's rounding of x is left
+            stacked.data[e] = dequantize(*quantize_weight(torch.randn(stacked.shape[1:]) * 0.1))
+    router = TopKRouter(64, 8, top_k=2, renormalise=True)
+    router.weight.data.normal_()
+    x = torch.randn(40, 64)
+    weights, chosen = router(x)
+    with torch.inference_mode():
+        want = experts(x, weights, chosen)
+        got = Int8Experts(experts, five_bit=False)(x, weights, chosen)
+    torch.testing.assert_close(got, want, rtol=0, atol=0.02 * float(want.abs().max()))

@@ -79,10 +79,13 @@ def prepare_kernels(
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype
         )
     if quantization == "int8":
+        from qwenbatch.layers.cpu_experts import Int8Experts, replace_experts
         from qwenbatch.layers.cpu_kernels import kernels
         from qwenbatch.layers.int8_linear import quantize_linears
 
         quantize_linears(model, None if checkpoint is None else checkpoint.read)
+        five_bit = kernels().isa() != "portable"  # as quantize_linears: where every group of 32 is a Q5_0 block
+        replace_experts(model, lambda experts: Int8Experts(experts, five_bit))
         linear_kernels = f"int8-{kernels().isa()}"
         if dtype == torch.bfloat16:
             from qwenbatch.layers import int8_large_m
@@ -90,6 +93,10 @@ def prepare_kernels(
             large_m = int8_large_m.choose_int8_large_m(int8_large_m.first_mlp_linears(model))
             int8_large_m.apply(model, large_m)
             dense_choice = large_m.describe()
+    if onednn_available(dtype, device):
+        from qwenbatch.layers.cpu_experts import PackedExperts, replace_experts
+
+        replace_experts(model, PackedExperts)  # a mixture of experts that int8 left as loaded
     if onednn_available(dtype, device) and pack_linears(model):  # what int8 left dense, or every linear
         packed = f"onednn-prepacked-{str(dtype).removeprefix('torch.')}"
         linear_kernels = packed if quantization == "none" else f"{linear_kernels}+{packed}"
