@@ -36,7 +36,12 @@ def random_qwen3_0_6b(folder: Path, dtype: torch.dtype, auto_class) -> bool:
     shape = {k: v for k, v in SHAPES["qwen3-reranker-0.6b"].items() if k != "architectures"}
     torch.manual_seed(0)
     auto_class.from_config(Qwen3Config(**shape), dtype=dtype).save_pretrained(str(folder))
+    copy_default_tokenizer(folder)
+    return True
+
+
+def copy_default_tokenizer(folder: Path) -> None:
+    """Give ``folder`` the default model's tokenizer files (the Qwen vocabulary and chat template)."""
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (default_model_dir() / name).is_file():
             shutil.copy(default_model_dir() / name, folder / name)
-    return True

@@ -277,6 +277,7 @@ def test_gpu_script_smoke_runs_end_to_end_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu-bench.json").read_text())
     assert report["parity"] == {"eager": True}
+    assert report["moe_parity"]["float32_agreement"] == 1.0 and report["moe_parity"]["ok"]
     for key in ("a", "b", "c"):
         assert report[key]["output_tps"] > 0 and report[key]["requests"] > 0
     assert report["a"]["requests"] == 4 and report["b"]["requests"] == 6

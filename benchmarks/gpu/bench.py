@@ -102,13 +102,11 @@ def release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def parity(folder: Path, device: str, engine: dict) -> dict:
-    """(0): our greedy tokens, with and without decode graphs, against transformers' in float32."""
-    prompts = [[5, 17, 42, 99, 3, 250, 7], [300, 12], list(range(10, 200, 3)), [1] * 5 + [200, 201, 202]]
-    steps = 32
+def reference_tokens(folder: Path, dtype: torch.dtype, device: str, prompts: list[list[int]], steps: int):
+    """transformers' greedy ``steps`` tokens after each prompt, in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
+    ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
     expected = []
     with torch.inference_mode():
         for p in prompts:
@@ -122,6 +120,15 @@ def parity(folder: Path, device: str, engine: dict) -> dict:
             )
             expected.append(out[0, len(p) :].tolist())
     del ref
+    release(device)
+    return expected
+
+
+def parity(folder: Path, device: str, engine: dict) -> dict:
+    """(0): our greedy tokens, with and without decode graphs, against transformers' in float32."""
+    prompts = [[5, 17, 42, 99, 3, 250, 7], [300, 12], list(range(10, 200, 3)), [1] * 5 + [200, 201, 202]]
+    steps = 32
+    expected = reference_tokens(folder, torch.float32, device, prompts, steps)
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     result = {}
     for eager in (False, True) if device == "cuda" else (True,):
@@ -160,6 +167,38 @@ def scoring_parity(folder: Path, device: str, engine: dict) -> dict:
         "embedding_max_error": embedding_error,
         "ok": logprob_error < 1e-3 and embedding_error < 1e-4,
     }
+
+
+def tiny_moe_checkpoint(folder: Path) -> Path:
+    """A tiny random Qwen3-MoE (8 experts, 2 a token, layer 1 dense) saved by transformers, one tensor per expert."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    shape = {**TINY, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [1]}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**shape, norm_topk_prob=True), dtype=torch.float32)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def moe_parity(folder: Path, device: str, engine: dict) -> dict:
+    """(0''): a mixture of experts: our float32 greedy tokens (experts through torch's grouped-matmul fallback,
+    no graphs) against transformers' in float32, and bf16 with decode graphs (the one-kernel grouped matmul
+    captured) against transformers in bf16: the share of tokens that agree."""
+    prompts = [[5, 17, 42, 99, 3, 250, 7], [300, 12], list(range(10, 200, 3))]
+    steps = 32
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    result = {}
+    for dtype in ("float32", "bfloat16"):
+        expected = reference_tokens(folder, getattr(torch, dtype), device, prompts, steps)
+        llm = LLM(model=str(folder), dtype=dtype, **engine)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        result[f"{dtype}_graphs"] = llm.engine.runner._graphs is not None
+        del llm
+        release(device)
+        same = sum(a == b for g, e in zip(got, expected, strict=True) for a, b in zip(g, e, strict=True))
+        result[f"{dtype}_agreement"] = same / (steps * len(prompts))
+    result["ok"] = result["float32_agreement"] == 1.0
+    return result
 
 
 def run_ours(name: str, requests: list[BenchRequest], engine: dict, device: str) -> dict:
@@ -365,6 +404,7 @@ def main() -> None:
         phases = [  # the baseline last: it is the slowest, and a lease may end before it
             ("parity", lambda: parity(folder, device, {**common, "max_num_seqs": 8})),
             ("scoring_parity", lambda: scoring_parity(folder, device, common)),
+            ("moe_parity", lambda: moe_parity(tiny_moe_checkpoint(Path(tmp) / "tiny-qwen3-moe"), device, common)),
             ("a", lambda: run_ours(f"qwenbatch (a) {n_a}x{in_a}->{out_a}", work_a, engine, device)),
             ("b", lambda: run_ours("qwenbatch (b) nano-vllm", work_b, engine, device)),
             ("batch1", lambda: batch1_decode(engine, device, b1, vocab)),
@@ -403,6 +443,7 @@ def main() -> None:
         )
     print(f"(0) parity: {report['parity']}; (b) / (c) output tok/s: {report.get('b_over_c', 'n/a')}")
     print(f"(0') prompt logprobs and embeddings against transformers: {report['scoring_parity']}")
+    print(f"(0'') mixture of experts against transformers: {report['moe_parity']}")
     print(f"(d) batch-1 decode tok/s: {report['batch1']}")
     print(f"(e) sampler, Qwen3's generation config, ms a call: {report['sampler']}")
     if "kernel_tests" in report:
