@@ -3,6 +3,9 @@ P parallel sequences of 256 random prompt tokens and 64 output tokens (all at on
 the prefill of one long prompt. Needs `bash benchmarks/build_llama_cpp.sh` first; never run by CI.
 
     .venv/bin/python benchmarks/llama_cpp_compare.py --output benchmarks/results/llama-cpp-compare.json
+
+Another model: ``--model FOLDER --gguf FILE``, the same weights as llama.cpp's converter wrote them (e.g. a
+mixture of experts from benchmarks/random_moe_checkpoint.py, through convert_hf_to_gguf.py --outtype q8_0).
 """
 
 from __future__ import annotations
@@ -26,12 +29,12 @@ from qwenbatch.layers.linear import PackedLinear
 from qwenbatch.loader.default_model import default_gguf_path
 
 
-def llama_batched(npp: int, ntg: int, npl: list[int]) -> dict[int, dict]:
+def llama_batched(gguf: Path, npp: int, ntg: int, npl: list[int]) -> dict[int, dict]:
     """llama-batched-bench rows by parallel count (t: seconds for the whole batch; speed_tg, speed_pp)."""
     ctx = max(npl) * (npp + ntg) + 64
     cmd = [
         str(bin_dir() / "llama-batched-bench"),
-        *("-m", str(default_gguf_path()), "-t", str(torch.get_num_threads()), "-c", str(ctx)),
+        *("-m", str(gguf), "-t", str(torch.get_num_threads()), "-c", str(ctx)),
         *("-b", "2048", "-ub", "512", "-npp", str(npp), "-ntg", str(ntg), "-npl", ",".join(map(str, npl))),
         *("--output-format", "jsonl"),
     ]
@@ -65,18 +68,26 @@ def ours_decode_tps(llm: LLM, ntg: int = 64) -> float:
 
 
 def linear_weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of linear weights one decode step reads: packed int8 / 5-bit values and their scales, or dense."""
-    total = 0
-    for module in model.modules():
+    """Bytes of linear weights one batch-1 decode step reads: packed int8 / 5-bit values and their scales, or dense;
+    of a mixture of experts, the share of its experts a token runs."""
+    total = 0.0
+    experts = {name: m for name, m in model.named_modules() if name.endswith(".experts")}
+    for name, module in model.named_modules():
+        share = 1.0
+        owner = name.rsplit(".experts.", 1)[0] + ".experts" if ".experts." in name else None
+        if owner in experts:
+            share = model.config.moe.experts_per_token / experts[owner].num_experts
         if isinstance(module, Int8Linear):
-            total += module.packed_weight.nbytes + module.packed_scales.nbytes
+            total += share * (module.packed_weight.nbytes + module.packed_scales.nbytes)
         elif isinstance(module, torch.nn.Linear | PackedLinear):
-            total += module.in_features * module.out_features * dtype.itemsize
-    return total
+            total += share * module.in_features * module.out_features * dtype.itemsize
+    return int(total)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default", help="ours: a model folder (default: the embedded model)")
+    parser.add_argument("--gguf", type=Path, help="llama.cpp: the same model's GGUF (default: the embedded model's)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="none", choices=["none", "int8"])
     parser.add_argument("--parallel", default="1,16,64")
@@ -98,8 +109,9 @@ def main() -> None:
     parallel = [int(p) for p in args.parallel.split(",") if p]  # "" for none
     prefill_lens = [int(n) for n in args.prefill_lens.split(",") if n]
 
+    gguf = args.gguf or default_gguf_path()
     llm = LLM(
-        model="default",
+        model=args.model,
         dtype=args.dtype,
         quantization=args.quantization,
         max_num_seqs=max(parallel, default=2),
@@ -109,6 +121,8 @@ def main() -> None:
     layer_params, head_params = matmul_params(llm.engine.model_config)
     report: dict = {
         "cpu": cpu_kind(),
+        "model": args.model,
+        "gguf": str(gguf),
         "dtype": str(dtype).removeprefix("torch."),
         "linear_kernels": llm.engine.runner.linear_kernels,
         "quantization": args.quantization,
@@ -127,9 +141,9 @@ def main() -> None:
         for i in range(args.parallel_pairs):
             if i % 2:
                 wall = ours_parallel(llm, p, 256, 64, run=i)
-                theirs = llama_batched(256, 64, [p])[p]["t"]
+                theirs = llama_batched(gguf, 256, 64, [p])[p]["t"]
             else:
-                theirs = llama_batched(256, 64, [p])[p]["t"]
+                theirs = llama_batched(gguf, 256, 64, [p])[p]["t"]
                 wall = ours_parallel(llm, p, 256, 64, run=i)
             pairs.append({"ours_s": wall, "llama_cpp_s": theirs, "ratio": theirs / wall})
             report["gemm_2048_gflops_samples"].append(gemm_gflops(dtype))
@@ -157,7 +171,7 @@ def main() -> None:
         # and after every pair, and the fastest sample divides.
         pairs, reads = [], [report["read_bandwidth_gbs"]]
         for _ in range(args.batch1_pairs):
-            pairs.append((llama_batched(256, 64, [1])[1]["speed_tg"], ours_decode_tps(llm)))
+            pairs.append((llama_batched(gguf, 256, 64, [1])[1]["speed_tg"], ours_decode_tps(llm)))
             reads.append(read_bandwidth_gbs())
         report["read_bandwidth_gbs_samples"] = reads
         report["read_bandwidth_gbs"] = max(reads)
@@ -179,7 +193,7 @@ def main() -> None:
         start = time.perf_counter()
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         ours_s = time.perf_counter() - start
-        theirs_pp = llama_batched(n, 1, [1])[1]
+        theirs_pp = llama_batched(gguf, n, 1, [1])[1]
         prefills.append(
             {
                 "tokens": n,
