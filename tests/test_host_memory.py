@@ -6,7 +6,7 @@ import sys
 # Fills the heap with 64 KB chunks (malloc's, below its mmap threshold), frees every other one, so that the freed
 # pages lie in holes under live chunks where free() cannot return them, then prints RSS (KiB) before and after.
 HOLES = """
-from qwenbatch.engine.memory import release_freed_heap
+from qwenbatch.loader.heap import release_freed_heap
 
 def rss_kib():
     return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0])

@@ -122,3 +122,24 @@ def test_int8_experts_compute_each_tokens_experts_on_their_int8_weights():
         want = experts(x, weights, chosen)
         got = Int8Experts(experts, five_bit=False)(x, weights, chosen)
     torch.testing.assert_close(got, want, rtol=0, atol=0.02 * float(want.abs().max()))
+
+
+def test_int8_reads_the_weights_it_quantizes_from_the_checkpoint_alone(tiny_moe, monkeypatch):
+    # The loader leaves the linears' and experts' weights unread (never resident in full) and quantizing reads
+    # them from the files: the engine's tokens are those of one that loaded them first.
+    import qwenbatch.loader as loader
+    from qwenbatch.loader.hf import CheckpointReader
+
+    read = []
+    read_into = CheckpointReader.read_into
+    monkeypatch.setattr(
+        CheckpointReader, "read_into", lambda self, name, t: (read.append(name), read_into(self, name, t))
+    )
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    common = dict(model=str(tiny_moe), dtype="bfloat16", quantization="int8", kv_cache_memory=8 * 2**20)
+    lazily = [o.outputs[0].token_ids for o in LLM(**common).generate(PROMPTS, params, use_tqdm=False)]
+    quantized = (".experts.", "qkv_proj.weight", "o_proj.weight", "lm_head.weight")
+    assert read and not any(part in name for name in read for part in quantized)
+    monkeypatch.setattr(loader, "int8_quantized_weights", lambda model: set())
+    loaded_first = [o.outputs[0].token_ids for o in LLM(**common).generate(PROMPTS, params, use_tqdm=False)]
+    assert lazily == loaded_first

@@ -17,7 +17,7 @@ import torch
 from qwenbatch.config import EngineConfig
 from qwenbatch.engine.block_manager import BlockManager
 from qwenbatch.engine.input_processor import InputProcessor
-from qwenbatch.engine.memory import gpu_kv_cache_budget, kv_cache_budget, num_kv_blocks, release_freed_heap
+from qwenbatch.engine.memory import gpu_kv_cache_budget, kv_cache_budget, num_kv_blocks
 from qwenbatch.engine.model_runner import ModelRunner, PromptLogprobsChunk, kv_cache_bytes_per_token
 from qwenbatch.engine.output_processor import OutputProcessor
 from qwenbatch.engine.request import EngineRequest
@@ -28,6 +28,7 @@ from qwenbatch.engine.structured_output import GrammarCompiler, OutputGrammar
 from qwenbatch.layers.host_allocator import cache_step_buffers, return_cached_buffers
 from qwenbatch.layers.sampler import NO_PROMPT_IDS, SamplingRow
 from qwenbatch.loader import load_model, resolve_model_dir
+from qwenbatch.loader.heap import release_freed_heap
 from qwenbatch.loader.kernels import prepare_kernels
 from qwenbatch.models.generation_config import sampling_defaults
 from qwenbatch.outputs import RequestOutput
@@ -64,7 +65,13 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.task = config.resolved_task
         loaded = load_model(
-            config.model, config.load_format, self.dtype, device, config.seed, without_head=self.task == "embed"
+            config.model,
+            config.load_format,
+            self.dtype,
+            device,
+            config.seed,
+            without_head=self.task == "embed",
+            quantization=config.quantization,
         )
         self.model_config = loaded.config
         self.sampling_defaults = sampling_defaults(config.generation_config, loaded.folder, config.generation_overrides)

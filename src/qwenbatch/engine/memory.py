@@ -1,9 +1,7 @@
-"""How many bytes the KV pool gets, on CPU and on CUDA, what a device's memory looks like now, and handing the
-heap's freed pages back to the system."""
+"""How many bytes the KV pool gets, on CPU and on CUDA, and what a device's memory looks like now."""
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import psutil
@@ -13,18 +11,6 @@ DEFAULT_KV_CACHE_CAP = 4 * 2**30  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE)
 # Host memory a block's bookkeeping takes, per token slot, once it holds a cached prefix: the Block, its tuple
 # of token ids and their int objects, its entries in the block manager's hash map and free queue.
 BLOCK_BOOKKEEPING_BYTES_PER_TOKEN = 64
-
-
-def release_freed_heap() -> bool:
-    """Hands the pages of malloc's free chunks back to the system (glibc's ``malloc_trim``); False where the C
-    library has no such call. Loading leaves its temporaries' pages in the heap: glibc returns free memory on its
-    own only from the heap's top, and the packed weights lie above the holes (the default model's engine held
-    ~270 MiB of them, in RSS, until the process ended: BENCHMARKS.md, issue 15)."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols: libc's, where it has one
-    if trim is None:
-        return False
-    trim(0)
-    return True
 
 
 def num_kv_blocks(budget: int, kv_bytes_per_token: int, block_size: int, on_host: bool) -> int:

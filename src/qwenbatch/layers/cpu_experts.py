@@ -9,6 +9,8 @@ generation job); int8 holds the weights in about half the bytes (BENCHMARKS.md, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -61,17 +63,25 @@ class PackedExperts(_ExpertByExpert):
 
 
 class Int8Experts(_ExpertByExpert):
-    """Each expert's gate_up (with its SiLU(gate) * up) and down an Int8Linear, quantized per group of 32 from the
-    stacked weights as loaded (a bf16 checkpoint's values exactly, before rounding to int8)."""
+    """Each expert's gate_up (with its SiLU(gate) * up) and down an Int8Linear, quantized per group of 32 from
+    ``read_expert(e)``'s (gate_up, down) weights: as the checkpoint holds them (the loader leaves the stacks unread
+    then), or by default the stacks as loaded."""
 
-    def __init__(self, experts: GroupedExperts, five_bit: bool) -> None:
+    def __init__(
+        self,
+        experts: GroupedExperts,
+        five_bit: bool,
+        read_expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
         super().__init__()
         self.num_experts = experts.num_experts
         hidden, inter2 = experts.gate_up_proj.shape[2], experts.gate_up_proj.shape[1]
+        if read_expert is None:
+            read_expert = lambda e: (experts.gate_up_proj[e].detach(), experts.down_proj[e].detach())  # noqa: E731
         self.gate_up = nn.ModuleList()
         self.down = nn.ModuleList()
         for e in range(self.num_experts):
-            gate_up, down = experts.gate_up_proj[e].detach(), experts.down_proj[e].detach()
+            gate_up, down = read_expert(e)
             self.gate_up.append(
                 Int8Linear(_shape(hidden, inter2), five_bit, lambda a, b, w=gate_up: w[a:b], silu_and_mul=True)
             )
@@ -86,12 +96,12 @@ def _shape(in_features: int, out_features: int) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=False, device="meta")
 
 
-def replace_experts(model: nn.Module, make) -> int:
-    """Replace every GroupedExperts of ``model`` by ``make(experts)``, freeing the stacked weights as each goes;
-    returns how many."""
+def replace_experts(model: nn.Module, make: Callable[[str, GroupedExperts], nn.Module]) -> int:
+    """Replace every GroupedExperts of ``model`` by ``make(its name, it)``, freeing the stacked weights as each
+    goes; returns how many."""
     names = [name for name, m in model.named_modules() if isinstance(m, GroupedExperts)]
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, make(getattr(parent, child)))
+        setattr(parent, child, make(name, getattr(parent, child)))
     return len(names)

@@ -16,6 +16,7 @@ from qwenbatch.loader.default_model import cache_root, default_model_dir
 from qwenbatch.loader.dummy import dummy_config, load_dummy_model
 from qwenbatch.loader.gguf import convert_gguf
 from qwenbatch.loader.hf import CheckpointReader, load_hf_checkpoint
+from qwenbatch.loader.kernels import int8_quantized_weights
 from qwenbatch.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -94,10 +95,17 @@ def model_config_of(config) -> ModelConfig:
 
 
 def load_model(
-    model: str, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0, without_head: bool = False
+    model: str,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    without_head: bool = False,
+    quantization: str = "none",
 ) -> LoadedModel:
     """Load ``model`` in ``dtype`` on ``device``; ``load_format="dummy"`` builds random weights of its shape;
-    ``without_head``: the checkpoint may lack the LM head (an embedding model)."""
+    ``without_head``: the checkpoint may lack the LM head (an embedding model). With ``quantization`` int8 the
+    weights it will quantize are left unread (``prepare_kernels`` reads them from the checkpoint)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     if load_format == "dummy":
@@ -107,5 +115,6 @@ def load_model(
         return LoadedModel(load_dummy_model(cfg, dtype, device, seed), cfg, tokenizer_dir)
     folder = resolve_model_dir(model)
     cfg = ModelConfig.from_folder(folder)
-    model, checkpoint = load_hf_checkpoint(folder, dtype, device, without_head)
+    unread = int8_quantized_weights if quantization == "int8" else None
+    model, checkpoint = load_hf_checkpoint(folder, dtype, device, without_head, unread)
     return LoadedModel(model, cfg, folder, checkpoint, folder)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,6 +185,16 @@ class CheckpointReader:
                 _read_into(f, rows, out[lo - start : hi - start])
         return out
 
+    def read_expert(self, name: str, expert: int) -> torch.Tensor:
+        """Expert ``expert``'s matrix of our stacked parameter ``name`` (``...experts.gate_up_proj`` or
+        ``down_proj``) as the checkpoint holds it, in float32 (a new tensor)."""
+        out = torch.empty(self._shapes[name][1:], dtype=torch.float32)
+        for part in self._parts[name]:
+            if part.rows[0] == expert:
+                with part.path.open("rb", buffering=0) as f:
+                    _read_into(f, part.entry, out[part.rows[1]])
+        return out
+
 
 def load_hf_model(folder: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """``load_hf_checkpoint``'s model."""
@@ -191,10 +202,16 @@ def load_hf_model(folder: Path, dtype: torch.dtype, device: torch.device) -> nn.
 
 
 def load_hf_checkpoint(
-    folder: Path, dtype: torch.dtype, device: torch.device, without_head: bool = False
+    folder: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    without_head: bool = False,
+    leave_unread: Callable[[nn.Module], set[str]] | None = None,
 ) -> tuple[nn.Module, CheckpointReader]:
     """Load ``folder``'s safetensors (one file or sharded) into a freshly built model; with the reader it was
-    filled from (for layers that re-read their weights as the files hold them).
+    filled from (for layers that re-read their weights as the files hold them). The parameters named by
+    ``leave_unread(model)`` keep their storage unwritten, so that its pages are never touched: ``--quantization
+    int8`` reads those weights from the reader as it quantizes them, so they need never be resident in full.
 
     Each tensor is read from the file straight into its parameter (through a temporary only when
     the dtype differs), so peak memory is the model plus at most one tensor, and the file's pages
@@ -207,7 +224,9 @@ def load_hf_checkpoint(
     reader = CheckpointReader(folder, model, without_head)
     if "lm_head.weight" not in reader.parameter_names:  # an embedding checkpoint: the head never runs
         model.lm_head.weight = model.model.embed_tokens.weight
+    unread = leave_unread(model) if leave_unread is not None else set()
     for name, param in model.named_parameters():
-        reader.read_into(name, param.data)
+        if name not in unread:
+            reader.read_into(name, param.data)
     logger.info("loaded %s (%d tensors from %d files) as %s", folder, reader.tensor_count, len(reader.files), dtype)
     return model, reader

@@ -12,6 +12,7 @@ from torch import nn
 from qwenbatch.layers import packed_rows
 from qwenbatch.layers.linear import onednn_available, pack_linears
 from qwenbatch.layers.prefill_choice import SDPA_UNTIMED, PrefillAttentionChoice, choose_prefill_attention
+from qwenbatch.loader.heap import release_freed_heap
 from qwenbatch.loader.hf import CheckpointReader
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,19 @@ class ModelKernels:
     compiled: bool = False  # the runner compiles the model (--compile); its linears stay nn.Linear for inductor
     # With cpu_kernels: the faster prefill attention on this CPU, timed at load (layers/prefill_choice.py).
     prefill_attention: PrefillAttentionChoice = SDPA_UNTIMED
+
+
+def int8_quantized_weights(model: nn.Module) -> set[str]:
+    """The parameters that ``--quantization int8`` replaces by int8 copies read from the checkpoint: the weights of
+    the linears the kernel supports (not a tied LM head's, which is the embedding's) and the experts' stacks. The
+    loader leaves them unread."""
+    from qwenbatch.layers.int8_linear import int8_supported
+    from qwenbatch.layers.moe import GroupedExperts
+
+    quantized = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear) and int8_supported(m)}
+    quantized |= {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    kept = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    return {name for name, p in model.named_parameters() if id(p) in quantized - kept}
 
 
 def prepare_kernels(
@@ -50,7 +64,8 @@ def prepare_kernels(
     if ``required``, else the PyTorch layers stay (with a warning). With int8 each linear is quantized from its
     weights as ``checkpoint`` holds them, in float32 (the model's copy may be rounded), a slice at a time. With
     ``compile`` only the LM head (run outside the compiled graph) is prepacked: inductor packs the rest itself
-    when it freezes the weights.
+    when it freezes the weights. A mixture of experts' experts are packed, or with int8 quantized from the
+    checkpoint too (layers/cpu_experts.py).
     """
     if compile:
         packed = onednn_available(dtype, device) and pack_linears(
@@ -85,7 +100,19 @@ def prepare_kernels(
 
         quantize_linears(model, None if checkpoint is None else checkpoint.read)
         five_bit = kernels().isa() != "portable"  # as quantize_linears: where every group of 32 is a Q5_0 block
-        replace_experts(model, lambda experts: Int8Experts(experts, five_bit))
+
+        def int8_experts(name: str, experts) -> Int8Experts:
+            if checkpoint is None:
+                return Int8Experts(experts, five_bit)
+            gate_up, down = f"{name}.gate_up_proj", f"{name}.down_proj"
+            read = lambda e: (checkpoint.read_expert(gate_up, e), checkpoint.read_expert(down, e))  # noqa: E731
+            quantized = Int8Experts(experts, five_bit, read)
+            # Each expert's float32 temporaries leave holes among the packed weights that malloc keeps: handed back
+            # a layer at a time, the peak is the int8 model's (8 of Qwen3-30B-A3B's layers: 6.9 GiB, not 11.2).
+            release_freed_heap()
+            return quantized
+
+        replace_experts(model, int8_experts)
         linear_kernels = f"int8-{kernels().isa()}"
         if dtype == torch.bfloat16:
             from qwenbatch.layers import int8_large_m
@@ -96,7 +123,7 @@ def prepare_kernels(
     if onednn_available(dtype, device):
         from qwenbatch.layers.cpu_experts import PackedExperts, replace_experts
 
-        replace_experts(model, PackedExperts)  # a mixture of experts that int8 left as loaded
+        replace_experts(model, lambda name, experts: PackedExperts(experts))  # where int8 left them as loaded
     if onednn_available(dtype, device) and pack_linears(model):  # what int8 left dense, or every linear
         packed = f"onednn-prepacked-{str(dtype).removeprefix('torch.')}"
         linear_kernels = packed if quantization == "none" else f"{linear_kernels}+{packed}"
