@@ -24,6 +24,7 @@ from qwenbatch.bench.llama_cpp import bin_dir, build_info
 from qwenbatch.bench.machine import copy_bandwidth_gbs, cpu_kind, gemm_gflops, read_bandwidth_gbs
 from qwenbatch.bench.throughput import matmul_params
 from qwenbatch.bench.workloads import random_workload
+from qwenbatch.layers.cpu_experts import PackedExperts
 from qwenbatch.layers.int8_linear import Int8Linear
 from qwenbatch.layers.linear import PackedLinear
 from qwenbatch.loader.default_model import default_gguf_path
@@ -77,7 +78,9 @@ def linear_weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
         owner = name.rsplit(".experts.", 1)[0] + ".experts" if ".experts." in name else None
         if owner in experts:
             share = model.config.moe.experts_per_token / experts[owner].num_experts
-        if isinstance(module, Int8Linear):
+        if isinstance(module, PackedExperts):
+            total += model.config.moe.experts_per_token / module.num_experts * module.weight_bytes
+        elif isinstance(module, Int8Linear):
             total += share * (module.packed_weight.nbytes + module.packed_scales.nbytes)
         elif isinstance(module, torch.nn.Linear | PackedLinear):
             total += share * module.in_features * module.out_features * dtype.itemsize

@@ -13,9 +13,10 @@ from qwenbatch import LLM, SamplingParams
 from qwenbatch.bench.throughput import matmul_params
 from qwenbatch.layers.cpu_experts import Int8Experts
 from qwenbatch.layers.int8_linear import dequantize, quantize_weight
-from qwenbatch.layers.moe import GroupedExperts, TopKRouter
+from qwenbatch.layers.moe import GroupedExperts, TopKRouter, grouped_mm_capturable
 from qwenbatch.loader.dummy import dummy_config
-from qwenbatch.loader.hf import load_hf_model
+from qwenbatch.loader.hf import instantiate, load_hf_model
+from qwenbatch.loader.kernels import int8_quantized_weights
 from qwenbatch.models.config import ModelConfig
 from qwenbatch.models.qwen import QwenForCausalLM
 from test_model_parity import PROMPTS, max_logit_error
@@ -76,8 +77,9 @@ def test_a_missing_expert_tensor_is_named(tiny_moe, tmp_path):
         load_hf_model(folder, torch.float32, torch.device("cpu"))
 
 
-def test_bad_expert_fields_are_named(tiny_moe):
+def test_bad_expert_fields_are_named_and_no_experts_is_a_dense_model(tiny_moe):
     cfg = json.loads((tiny_moe / "config.json").read_text())
+    assert ModelConfig.from_hf_dict({**cfg, "num_experts": 0}).sparse_layers == ()  # transformers' rule
     with pytest.raises(ValueError, match="missing field 'moe_intermediate_size'"):
         ModelConfig.from_hf_dict({k: v for k, v in cfg.items() if k != "moe_intermediate_size"})
     with pytest.raises(ValueError, match=r"num_experts_per_tok \(9\) must be between 1 and num_experts \(8\)"):
@@ -140,6 +142,31 @@ def test_int8_reads_the_weights_it_quantizes_from_the_checkpoint_alone(tiny_moe,
     lazily = [o.outputs[0].token_ids for o in LLM(**common).generate(PROMPTS, params, use_tqdm=False)]
     quantized = (".experts.", "qkv_proj.weight", "o_proj.weight", "lm_head.weight")
     assert read and not any(part in name for name in read for part in quantized)
+    model = instantiate(ModelConfig.from_folder(tiny_moe), torch.bfloat16, torch.device("meta"))
+    assert set(read).isdisjoint(int8_quantized_weights(model))
     monkeypatch.setattr(loader, "int8_quantized_weights", lambda model: set())
     loaded_first = [o.outputs[0].token_ids for o in LLM(**common).generate(PROMPTS, params, use_tqdm=False)]
     assert lazily == loaded_first
+
+
+def test_only_qwen2_moe_reads_qkv_bias():
+    # transformers' Qwen2Attention always has the bias; Qwen2-MoE's follows its config's qkv_bias.
+    shape = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+    shape |= {"num_attention_heads": 4, "qkv_bias": False}
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    assert ModelConfig.from_hf_dict({**shape, "architectures": ["Qwen2ForCausalLM"]}).attention_bias
+    assert not ModelConfig.from_hf_dict({**shape, **moe, "architectures": ["Qwen2MoeForCausalLM"]}).attention_bias
+
+
+def test_decode_graphs_hold_the_experts_only_where_torch_runs_them_as_one_kernel(monkeypatch):
+    cuda = torch.device("cuda")
+    cases = [
+        ((9, 0), torch.bfloat16, True),
+        ((10, 0), torch.bfloat16, True),
+        ((8, 0), torch.bfloat16, False),  # A100: torch's fallback reads the group ends on the host
+        ((9, 0), torch.float32, False),
+    ]
+    for capability, dtype, capturable in cases:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert grouped_mm_capturable(dtype, cuda) is capturable
+    assert not grouped_mm_capturable(torch.bfloat16, torch.device("cpu"))

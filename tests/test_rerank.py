@@ -25,7 +25,7 @@ import torch
 from qwenbatch import LLM, SamplingParams
 from qwenbatch.cli import main
 from qwenbatch.config import EngineConfig
-from qwenbatch.rerank import DEFAULT_INSTRUCTION, PREFIX, SUFFIX
+from qwenbatch.rerank import DEFAULT_INSTRUCTION, PREFIX, SUFFIX, score_token_ids
 from qwenbatch.server.app import ServerSettings
 from qwenbatch.serving.protocol import MAX_RERANK_DOCUMENTS
 from server_harness import RunningServer
@@ -586,3 +586,16 @@ def test_cli_empty_documents_file_is_a_one_line_error(capsys, tiny_reranker, tmp
     assert out == ""
     errors = [line for line in err.splitlines() if line.startswith("qwenbatch: error:")]
     assert len(errors) == 1 and "no documents" in errors[0], err
+
+
+def test_an_untied_reranker_in_int8_scores_with_its_heads_yes_and_no_rows(tmp_path):
+    # int8 leaves the weights it quantizes unread at load; the reranker takes its two LM-head rows before that.
+    from safetensors.torch import load_file
+
+    from conftest import make_checkpoint
+
+    folder = make_checkpoint(tmp_path / "tiny-qwen2-reranker", "qwen2", seed=2, extra_tokens=("yes", "no"))
+    llm = LLM(model=str(folder), task="rerank", dtype="bfloat16", quantization="int8", kv_cache_memory=8 * 2**20)
+    head = load_file(str(folder / "model.safetensors"))["lm_head.weight"]
+    want = head[list(score_token_ids(llm.engine.tokenizer))].to(torch.bfloat16).float()
+    assert torch.equal(llm.engine.runner.score_weight, want)

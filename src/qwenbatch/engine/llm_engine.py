@@ -26,6 +26,7 @@ from qwenbatch.engine.sequence import Sequence
 from qwenbatch.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from qwenbatch.engine.structured_output import GrammarCompiler, OutputGrammar
 from qwenbatch.layers.host_allocator import cache_step_buffers, return_cached_buffers
+from qwenbatch.layers.moe import grouped_mm_capturable
 from qwenbatch.layers.sampler import NO_PROMPT_IDS, SamplingRow
 from qwenbatch.loader import load_model, resolve_model_dir
 from qwenbatch.loader.heap import release_freed_heap
@@ -72,6 +73,7 @@ class LLMEngine:
             config.seed,
             without_head=self.task == "embed",
             quantization=config.quantization,
+            reads_head=self.task == "rerank",
         )
         self.model_config = loaded.config
         self.sampling_defaults = sampling_defaults(config.generation_config, loaded.folder, config.generation_overrides)
@@ -138,8 +140,9 @@ class LLMEngine:
                 logger.warning("step buffers not cached (the CPU kernels did not build): %s", e)
                 self._caches_step_buffers = False
         if device.type == "cuda" and not config.enforce_eager:
-            if loaded.config.moe is not None and self.dtype != torch.bfloat16:
-                # Only bf16 has torch's one-kernel grouped matmul; other dtypes' copy the group ends to the host.
+            if loaded.config.moe is not None and not grouped_mm_capturable(self.dtype, device):
+                # torch's grouped matmul is one kernel in bf16 on compute capability 9.x/10.x alone; elsewhere its
+                # fallback copies the group ends to the host, which a graph capture cannot hold.
                 logger.info("no decode CUDA graphs: a mixture of experts in %s runs its experts eagerly", self.dtype)
             else:
                 self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from qwenbatch.layers.int8_linear import Int8Linear
+from qwenbatch.layers.int8_linear import GROUP_SIZE, Int8Linear
 from qwenbatch.layers.moe import GroupedExperts
 
 
@@ -51,6 +51,7 @@ class PackedExperts(_ExpertByExpert):
     def __init__(self, experts: GroupedExperts) -> None:
         super().__init__()
         self.num_experts = experts.num_experts
+        self.weight_bytes = experts.gate_up_proj.nbytes + experts.down_proj.nbytes  # as oneDNN packs them: the same
         self.act_fn = experts.act_fn
         reorder = torch.ops.mkldnn._reorder_linear_weight
         self.gate_up = [reorder(experts.gate_up_proj[e].detach(), None) for e in range(self.num_experts)]
@@ -89,6 +90,13 @@ class Int8Experts(_ExpertByExpert):
 
     def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         return self.down[e](self.gate_up[e](rows))
+
+
+def int8_experts_supported(experts: GroupedExperts) -> bool:
+    """Whether the int8 kernel takes the experts' shapes: both products' inputs a multiple of 32 (every Qwen MoE's
+    are); others stay as loaded."""
+    inter2, hidden = experts.gate_up_proj.shape[1:]
+    return hidden % GROUP_SIZE == 0 and (inter2 // 2) % GROUP_SIZE == 0
 
 
 def _shape(in_features: int, out_features: int) -> nn.Linear:

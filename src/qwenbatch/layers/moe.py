@@ -2,9 +2,9 @@
 grouped matmuls over the tokens sorted by expert.
 
 The grouped matmuls (``torch._grouped_mm``) take each expert's rows as one group whose bounds live in a tensor, so
-a step needs no per-expert Python loop, no host sync on the routing, and is the same code on the CPU (a C++ loop
-of matmuls, only over the experts some token chose) and on CUDA (one kernel in bf16, which a CUDA graph can
-capture; other dtypes take torch's fallback, which reads the group ends on the host).
+a step needs no per-expert Python loop and no host sync on the routing, and is the same code on the CPU (a C++
+loop of matmuls) and on CUDA: one kernel in bf16 on compute capability 9.x and 10.x, which a CUDA graph can capture;
+other dtypes and GPUs take torch's fallback, which reads the group ends on the host (``grouped_mm_capturable``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwenbatch.layers.activation import SiluAndMul
+
+
+def grouped_mm_capturable(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether torch's grouped matmul runs as one CUDA kernel (which a CUDA graph can capture) on ``device``."""
+    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
 class TopKRouter(nn.Module):

@@ -102,10 +102,12 @@ def load_model(
     seed: int = 0,
     without_head: bool = False,
     quantization: str = "none",
+    reads_head: bool = False,
 ) -> LoadedModel:
     """Load ``model`` in ``dtype`` on ``device``; ``load_format="dummy"`` builds random weights of its shape;
     ``without_head``: the checkpoint may lack the LM head (an embedding model). With ``quantization`` int8 the
-    weights it will quantize are left unread (``prepare_kernels`` reads them from the checkpoint)."""
+    weights it will quantize are left unread (``prepare_kernels`` reads them from the checkpoint), but for the LM
+    head's where ``reads_head`` (a reranker takes its "yes" and "no" rows before the head is quantized)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     if load_format == "dummy":
@@ -115,6 +117,8 @@ def load_model(
         return LoadedModel(load_dummy_model(cfg, dtype, device, seed), cfg, tokenizer_dir)
     folder = resolve_model_dir(model)
     cfg = ModelConfig.from_folder(folder)
-    unread = int8_quantized_weights if quantization == "int8" else None
+    unread = None
+    if quantization == "int8":
+        unread = lambda m: int8_quantized_weights(m) - ({"lm_head.weight"} if reads_head else set())  # noqa: E731
     model, checkpoint = load_hf_checkpoint(folder, dtype, device, without_head, unread)
     return LoadedModel(model, cfg, folder, checkpoint, folder)

@@ -33,11 +33,13 @@ def int8_quantized_weights(model: nn.Module) -> set[str]:
     """The parameters that ``--quantization int8`` replaces by int8 copies read from the checkpoint: the weights of
     the linears the kernel supports (not a tied LM head's, which is the embedding's) and the experts' stacks. The
     loader leaves them unread."""
+    from qwenbatch.layers.cpu_experts import int8_experts_supported
     from qwenbatch.layers.int8_linear import int8_supported
     from qwenbatch.layers.moe import GroupedExperts
 
     quantized = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear) and int8_supported(m)}
-    quantized |= {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts) and int8_experts_supported(m)]
+    quantized |= {id(p) for m in experts for p in m.parameters()}
     kept = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     return {name for name, p in model.named_parameters() if id(p) in quantized - kept}
 
@@ -94,21 +96,23 @@ def prepare_kernels(
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype
         )
     if quantization == "int8":
-        from qwenbatch.layers.cpu_experts import Int8Experts, replace_experts
+        from qwenbatch.layers.cpu_experts import Int8Experts, int8_experts_supported, replace_experts
         from qwenbatch.layers.cpu_kernels import kernels
         from qwenbatch.layers.int8_linear import quantize_linears
 
         quantize_linears(model, None if checkpoint is None else checkpoint.read)
         five_bit = kernels().isa() != "portable"  # as quantize_linears: where every group of 32 is a Q5_0 block
 
-        def int8_experts(name: str, experts) -> Int8Experts:
+        def int8_experts(name: str, experts) -> nn.Module:
+            if not int8_experts_supported(experts):
+                return experts  # loaded in full (int8_quantized_weights), packed below
             if checkpoint is None:
                 return Int8Experts(experts, five_bit)
             gate_up, down = f"{name}.gate_up_proj", f"{name}.down_proj"
             read = lambda e: (checkpoint.read_expert(gate_up, e), checkpoint.read_expert(down, e))  # noqa: E731
             quantized = Int8Experts(experts, five_bit, read)
             # Each expert's float32 temporaries leave holes among the packed weights that malloc keeps: handed back
-            # a layer at a time, the peak is the int8 model's (8 of Qwen3-30B-A3B's layers: 6.9 GiB, not 11.2).
+            # a layer at a time, the peak is the int8 model's (8 of Qwen3-30B-A3B's layers: 7.0 GiB, not 12.5).
             release_freed_heap()
             return quantized
 

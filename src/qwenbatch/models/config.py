@@ -95,6 +95,7 @@ class ModelConfig:
         if rope_theta is None:  # transformers 5 nests it under rope_parameters
             rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         qwen3 = arch in _QWEN3_ARCHITECTURES
+        qkv_bias = bool(cfg.get("qkv_bias", True)) if arch == "Qwen2MoeForCausalLM" else True
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         return cls(
@@ -112,7 +113,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has a qkv bias (its config has no switch), Qwen2-MoE unless qkv_bias says not; Qwen3
             # reads the flag.
-            attention_bias=bool(cfg.get("attention_bias", False)) if qwen3 else bool(cfg.get("qkv_bias", True)),
+            attention_bias=bool(cfg.get("attention_bias", False)) if qwen3 else qkv_bias,
             qk_norm=qwen3,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
@@ -146,11 +147,13 @@ class ModelConfig:
         return cls.from_hf_dict(cfg, source=str(path))
 
 
-def _moe_config(cfg: dict[str, Any], need, source: str) -> MoeConfig:
+def _moe_config(cfg: dict[str, Any], need, source: str) -> MoeConfig | None:
     # transformers 5 saves the expert count as num_local_experts; the published configs say num_experts.
     num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 0:
         raise ValueError(f"{source}: missing or bad field 'num_experts': {num_experts!r}")
+    if num_experts == 0:  # transformers' rule: every layer dense
+        return None
     per_token = need("num_experts_per_tok")
     if not 1 <= per_token <= num_experts:
         raise ValueError(
