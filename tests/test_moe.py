@@ -149,13 +149,21 @@ def test_int8_reads_the_weights_it_quantizes_from_the_checkpoint_alone(tiny_moe,
     assert lazily == loaded_first
 
 
-def test_only_qwen2_moe_reads_qkv_bias():
+def test_only_qwen2_moe_reads_qkv_bias_and_has_a_shared_expert():
     # transformers' Qwen2Attention always has the bias; Qwen2-MoE's follows its config's qkv_bias.
     shape = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
     shape |= {"num_attention_heads": 4, "qkv_bias": False}
     moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
     assert ModelConfig.from_hf_dict({**shape, "architectures": ["Qwen2ForCausalLM"]}).attention_bias
-    assert not ModelConfig.from_hf_dict({**shape, **moe, "architectures": ["Qwen2MoeForCausalLM"]}).attention_bias
+    qwen2_moe = ModelConfig.from_hf_dict({**shape, **moe, "architectures": ["Qwen2MoeForCausalLM"]})
+    assert not qwen2_moe.attention_bias
+    assert qwen2_moe.moe.shared_intermediate_size == 5632  # transformers' default where the config leaves it out
+    assert (
+        ModelConfig.from_hf_dict(
+            {**shape, **moe, "architectures": ["Qwen3MoeForCausalLM"]}
+        ).moe.shared_intermediate_size
+        == 0
+    )
 
 
 def test_decode_graphs_hold_the_experts_only_where_torch_runs_them_as_one_kernel(monkeypatch):

@@ -117,7 +117,7 @@ class ModelConfig:
             qk_norm=qwen3,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
-            moe=_moe_config(cfg, need, source) if arch.endswith("MoeForCausalLM") else None,
+            moe=_moe_config(cfg, arch, need, source) if arch.endswith("MoeForCausalLM") else None,
         )
 
     @property
@@ -147,7 +147,7 @@ class ModelConfig:
         return cls.from_hf_dict(cfg, source=str(path))
 
 
-def _moe_config(cfg: dict[str, Any], need, source: str) -> MoeConfig | None:
+def _moe_config(cfg: dict[str, Any], arch: str, need, source: str) -> MoeConfig | None:
     # transformers 5 saves the expert count as num_local_experts; the published configs say num_experts.
     num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
     if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 0:
@@ -160,12 +160,14 @@ def _moe_config(cfg: dict[str, Any], need, source: str) -> MoeConfig | None:
             f"{source}: num_experts_per_tok ({per_token}) must be between 1 and num_experts ({num_experts})"
         )
     step = int(cfg.get("decoder_sparse_step") or 1)
+    qwen2 = arch == "Qwen2MoeForCausalLM"
     return MoeConfig(
         num_experts=num_experts,
         experts_per_token=per_token,
         intermediate_size=need("moe_intermediate_size"),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-        shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        # Qwen2-MoE always has a shared expert (transformers' default width where the config leaves it out).
+        shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 5632 if qwen2 else 0) or 0),
         decoder_sparse_step=step,
         mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
     )
