@@ -62,6 +62,7 @@ def test_int8_quantizes_the_experts_and_leaves_the_router_as_loaded(tiny_moe):
         mlp = llm.engine.runner.model.model.layers[index].mlp
         assert torch.equal(mlp.gate.weight, files[f"model.layers.{index}.mlp.gate.weight"].to(torch.bfloat16))
         assert isinstance(mlp.experts, Int8Experts)
+    assert llm.engine.runner.linear_kernels.endswith("experts: Int8Experts")  # in the log and bench JSON
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
 

@@ -236,6 +236,12 @@ def _gated_mlps(model: nn.Module) -> list[nn.Module]:
     ]
 
 
+def five_bit_available() -> bool:
+    """Whether Q5_0-exact weights are held in 5 bits: the SIMD kernels widen them in registers; the portable
+    kernel's plain loops would pay more than the bytes save."""
+    return kernels().isa() != "portable"
+
+
 def quantize_linears(model: nn.Module, exact_weight: Callable[[str, int, int], torch.Tensor] | None = None) -> int:
     """Replace every ``nn.Linear`` of ``model`` the kernel supports by an Int8Linear; returns how many. A gated
     MLP's gate_up computes its SiLU(gate) * up too, and the MLP's ``act_fn`` becomes the identity.
@@ -245,7 +251,7 @@ def quantize_linears(model: nn.Module, exact_weight: Callable[[str, int, int], t
     narrower dtype. Without it they quantize from the model's own weights.
     """
     module = kernels()  # build before the first layer, so a missing compiler fails fast
-    five_bit = module.isa() != "portable"  # widened in registers by the SIMD kernels; plain loops would pay more
+    five_bit = five_bit_available()
     # By identity, so a tied LM head finds the embedding's name (the only name its weight has).
     param_names = {id(param): name for name, param in model.named_parameters()}
     gated_mlps = _gated_mlps(model)

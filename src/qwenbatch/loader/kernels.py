@@ -98,10 +98,10 @@ def prepare_kernels(
     if quantization == "int8":
         from qwenbatch.layers.cpu_experts import Int8Experts, int8_experts_supported, replace_experts
         from qwenbatch.layers.cpu_kernels import kernels
-        from qwenbatch.layers.int8_linear import quantize_linears
+        from qwenbatch.layers.int8_linear import five_bit_available, quantize_linears
 
         quantize_linears(model, None if checkpoint is None else checkpoint.read)
-        five_bit = kernels().isa() != "portable"  # as quantize_linears: where every group of 32 is a Q5_0 block
+        five_bit = five_bit_available()
 
         def int8_experts(name: str, experts) -> nn.Module:
             if not int8_experts_supported(experts):
@@ -143,4 +143,9 @@ def prepare_kernels(
         logger.info("%d decoder layers run decode-only steps in one kernel call", fused)
     if dense_choice is not None:
         linear_kernels = f"{linear_kernels}, {dense_choice}"
+    from qwenbatch.layers.cpu_experts import Int8Experts, PackedExperts
+
+    experts = sorted({type(m).__name__ for m in model.modules() if isinstance(m, Int8Experts | PackedExperts)})
+    if experts:  # a mixture of experts: which kernel runs them
+        linear_kernels = f"{linear_kernels}, experts: {' and '.join(experts)}"
     return ModelKernels(linear_kernels, cpu_kernels, prefill_attention=prefill_attention)
