@@ -1,11 +1,12 @@
-"""Prefill attention on the default model's shapes (14 query heads, 2 KV heads, head_dim 64, bfloat16): our
-AVX512-BF16 kernel (`prefill_attention`) against what the engine calls without it, SDPA's CPU flash kernel (causal
+"""Prefill attention on the default model's shapes (14 query heads, 2 KV heads, head_dim 64, bfloat16 or float32):
+our kernel (`prefill_attention`: AVX512-BF16 or AMX in bf16, AVX2 FMAs in float32) against what the engine calls
+without it, SDPA's CPU flash kernel (causal
 for a fresh prompt; for a chunk after a cached prefix, two mask-free calls merged by log-sum-exp at >= 1,024 queries,
 else one call with the bottom-right mask). GFLOP/s count the products of the visible (unmasked) scores only.
 `--base COMMIT` puts that commit's kernel in SDPA's place: a change to ours, measured in one process, each shape
 alternating the two sides call by call (the median of each side's times). Never run by CI.
 
-    .venv/bin/python benchmarks/prefill_attention_micro.py [--base HEAD]
+    .venv/bin/python benchmarks/prefill_attention_micro.py [--dtype float32] [--base HEAD]
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ def main() -> None:
     parser.add_argument("--shapes", default="300x300,1024x1024,2048x2048,2048x4096,512x2560,4096x8192")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--base", help="a commit whose kernel is the baseline, in SDPA's place")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     ops = cpu_kernels.kernels()
-    if not ops.prefill_attention_available():
-        raise SystemExit("this CPU has no AVX512-BF16: the kernel is not built")
+    if not ops.prefill_attention_isa(args.dtype):
+        raise SystemExit(f"our {args.dtype} kernel is not built for this CPU (bf16 needs AVX512-BF16, float32 AVX2)")
     torch.manual_seed(0)
     scale = HEAD_DIM**-0.5
     if args.base:
@@ -58,9 +61,9 @@ def main() -> None:
     )
     for shape in args.shapes.split(","):
         q_len, k_len = (int(x) for x in shape.split("x"))
-        q = torch.randn(q_len, HEADS, HEAD_DIM, dtype=torch.bfloat16)
-        k = torch.randn(k_len, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
-        v = torch.randn(k_len, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+        q = torch.randn(q_len, HEADS, HEAD_DIM, dtype=dtype)
+        k = torch.randn(k_len, KV_HEADS, HEAD_DIM, dtype=dtype)
+        v = torch.randn(k_len, KV_HEADS, HEAD_DIM, dtype=dtype)
         visible = q_len * (k_len - q_len) + q_len * (q_len + 1) / 2
         flop = 4 * HEADS * HEAD_DIM * visible
         if args.base:

@@ -196,7 +196,7 @@ class TorchAttentionMetadata(AttentionMetadata):
 class KernelAttentionMetadata(TorchAttentionMetadata):
     """As TorchAttentionMetadata, but decoding rows read K/V through their block tables in place, in our
     CPU kernel (layers/cpu_kernels.py): no per-step gather of each context into a padded tensor; and, with
-    ``own_prefill``, bf16 prefill chunks run in our AVX512-BF16 prefill kernel (where layers/prefill_choice.py
+    ``own_prefill``, prefill chunks run in our prefill kernel (bf16 or float32, where layers/prefill_choice.py
     timed it faster than SDPA's flash kernel on this CPU)."""
 
     decode_block_tables: torch.Tensor | None = None  # int32 [D, max_blocks], padded with block 0
@@ -228,7 +228,7 @@ class KernelAttentionMetadata(TorchAttentionMetadata):
         out: torch.Tensor,
     ) -> None:
         rows = span.rows
-        if not self.own_prefill:  # chosen for a bf16 engine only
+        if not self.own_prefill:
             super()._prefill_span(span, q, k, v, k_flat, v_flat, scale, out)
         elif span.kv_slots is None:
             kernels().prefill_attention(q[rows], k[rows], v[rows], scale, out=out[rows])

@@ -37,6 +37,7 @@ _SOURCES = (
     "cpu_ops.cpp",
     "decode_attention.cpp",
     "prefill_attention.cpp",
+    "prefill_attention_f32.cpp",
     "decode_layer.cpp",
     "host_allocator.cpp",
     "sampling.cpp",

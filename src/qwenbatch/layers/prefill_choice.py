@@ -1,9 +1,10 @@
-"""Which kernel runs bf16 prefill attention on this CPU, chosen at load by timing both on the model's head shape.
+"""Which kernel runs prefill attention on this CPU, chosen at load by timing both on the model's head shape.
 
-The CPU's flags cannot settle it. Our kernel (csrc/prefill_attention.cpp) ran 4-6x SDPA's CPU flash kernel on
+The CPU's flags cannot settle it. Our bf16 kernel (csrc/prefill_attention.cpp) ran 4-6x SDPA's CPU flash kernel on
 AMD's AVX512-BF16 CPUs in vdpbf16ps register tiles (benchmarks/prefill_attention_micro.py). SDPA's kernel hands
-its bf16 block products to oneDNN, which runs them in AMX tiles where the CPU has AMX, as ours then does too;
-which one is faster is a measurement, made here in a few tens of milliseconds.
+its bf16 block products to oneDNN, which runs them in AMX tiles where the CPU has AMX, as ours then does too; its
+float32 ones to MKL, against our AVX2 FMA tiles (csrc/prefill_attention_f32.cpp), which on an AVX-512 CPU run at
+half its vector width. Which one is faster is a measurement, made here in a few tens of milliseconds.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class PrefillAttentionChoice:
     ours_ms: float | None = None
     sdpa_ms: float | None = None
     tokens: int = TIMED_TOKENS
-    ours_isa: str = ""  # what our kernel took its products with where it was timed: "amx" or "avx512-bf16"
+    ours_isa: str = ""  # what our kernel took its products with where timed: "amx", "avx512-bf16" or "avx2-fma"
 
     def describe(self) -> str:
         ours = f"{OURS} ({self.ours_isa})" if self.ours_isa else OURS
@@ -44,9 +45,21 @@ class PrefillAttentionChoice:
 SDPA_UNTIMED = PrefillAttentionChoice(SDPA)  # where ours cannot run, or the CPU kernels are off
 
 
+# The head_dim each dtype's kernel takes a multiple of: its register tiles' widths.
+_HEAD_DIM_STEP = {torch.bfloat16: 32, torch.float32: 16}
+
+
+def our_isa(dtype: torch.dtype) -> str:
+    """What our kernel takes its products with in ``dtype`` on this CPU ("amx", "avx512-bf16" or "avx2-fma"), or ""
+    where it was not built for it: bf16 needs AVX512-BF16, float32 AVX2 and FMA."""
+    if dtype not in _HEAD_DIM_STEP:
+        return ""
+    return kernels().prefill_attention_isa(str(dtype).removeprefix("torch."))
+
+
 def ours_can_run(dtype: torch.dtype, head_dim: int) -> bool:
-    """Our kernel takes bf16 with a head_dim that is a multiple of 32, where the CPU has AVX512-BF16."""
-    return dtype == torch.bfloat16 and head_dim % 32 == 0 and kernels().prefill_attention_available()
+    """Our kernel takes bf16 with a head_dim that is a multiple of 32 and float32 with one of 16, where built."""
+    return dtype in _HEAD_DIM_STEP and head_dim % _HEAD_DIM_STEP[dtype] == 0 and bool(our_isa(dtype))
 
 
 def choose_prefill_attention(
@@ -73,4 +86,4 @@ def choose_prefill_attention(
     }
     best = best_times_ms(candidates, repeats)
     kernel = OURS if best[OURS] <= best[SDPA] else SDPA
-    return PrefillAttentionChoice(kernel, best[OURS], best[SDPA], tokens, kernels().prefill_attention_isa())
+    return PrefillAttentionChoice(kernel, best[OURS], best[SDPA], tokens, our_isa(dtype))

@@ -1,6 +1,6 @@
 // The CPU kernels module: int8_linear.cpp, dequantize.cpp, quantize.cpp, cpu_ops.cpp, decode_attention.cpp,
-// prefill_attention.cpp, decode_layer.cpp, host_allocator.cpp, sampling.cpp and logprobs.cpp, built together by
-// layers/cpu_kernels.py.
+// prefill_attention.cpp, prefill_attention_f32.cpp, decode_layer.cpp, host_allocator.cpp, sampling.cpp and
+// logprobs.cpp, built together by layers/cpu_kernels.py.
 #include "int8_tasks.h"
 #include "ops.h"
 
@@ -33,12 +33,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "neox-layout RoPE of [T, heads, head_dim] rows into a new tensor");
   m.def("paged_decode_attention", &paged_decode_attention, "one query per sequence against its paged K/V", no_gil);
   m.def("decode_attention_isa", &decode_attention_isa, "what the bf16 decode attention takes its scores with");
-  m.def("prefill_attention_available", &prefill_attention_available,
-        "whether prefill_attention was built (it needs AVX512-BF16)");
-  m.def("prefill_attention_isa", &prefill_attention_isa, "what prefill_attention takes its products with");
+  m.def("prefill_attention_isa", &prefill_attention_isa,
+        "what prefill_attention takes its products with in a dtype (\"bfloat16\" or \"float32\"); \"\" where not built",
+        py::arg("dtype"));
   m.def("prefill_attention", &prefill_attention,
-        "bf16 queries of a chunk against its context (rows of k and v, or the cache rows slots pick), bottom-right "
-        "causal, FlashAttention-tiled, into out where given",
+        "bf16 or float32 queries of a chunk against its context (rows of k and v, or the cache rows slots pick), "
+        "bottom-right causal, FlashAttention-tiled, into out where given",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("slots") = py::none(),
         py::arg("out") = py::none(), no_gil);
   m.def("greedy_tokens", &greedy_tokens, "each row's argmax and whether it holds an inf or a NaN, in one pass");

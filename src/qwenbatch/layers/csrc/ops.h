@@ -22,9 +22,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& block_tables, const torch::Tensor& lens, double scale);
 // The bf16 decode kernel's scores: "amx" (tiles), "avx512-bf16" (vdpbf16ps), or "float32" (only the float32 kernel).
 std::string decode_attention_isa();
-bool prefill_attention_available();
-// What prefill_attention takes its two products with: "amx" (tiles), "avx512-bf16" (vdpbf16ps), or "" (not built).
-std::string prefill_attention_isa();
+// What prefill_attention takes its two products with in `dtype` ("bfloat16" or "float32"): "amx" (tiles),
+// "avx512-bf16" (vdpbf16ps), "avx2-fma", or "" where it was not built for that dtype.
+std::string prefill_attention_isa(const std::string& dtype);
 torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
                                 const c10::optional<torch::Tensor>& slots, const c10::optional<torch::Tensor>& out);
 std::tuple<torch::Tensor, torch::Tensor> greedy_tokens(const torch::Tensor& logits);

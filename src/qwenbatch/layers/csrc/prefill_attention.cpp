@@ -2,7 +2,7 @@
 // bottom-right causal, FlashAttention's tiling (a block of queries against a block of keys at a time, the softmax
 // taken online) with both products in register tiles of AVX512-BF16's pair dot products (vdpbf16ps), or, where the
 // CPU has AMX and Linux grants this process its tiles, in AMX tiles on the same packed K and V. Built only where the
-// CPU has AVX512-BF16; elsewhere the engine keeps SDPA's flash kernel.
+// CPU has AVX512-BF16; elsewhere bf16 engines keep SDPA's flash kernel. Float32 calls go to prefill_attention_f32.cpp.
 //
 // Why our own: SDPA's CPU flash kernel runs at 42-97 GFLOP/s on these shapes (GQA 14/2, head_dim 64, bf16) against
 // ~420 for a bf16 matmul, and computes then masks the upper triangle of a chunk after a cached prefix. On the AMX
@@ -12,6 +12,7 @@
 #include "float_math.h"
 #include "index_math.h"
 #include "ops.h"
+#include "prefill_attention.h"
 
 #include <ATen/Parallel.h>
 
@@ -27,15 +28,9 @@
 #define QB_PREFILL_BF16 1
 #endif
 
-bool prefill_attention_available() {
-#ifdef QB_PREFILL_BF16
-  return true;
-#else
-  return false;
-#endif
-}
-
-std::string prefill_attention_isa() {
+std::string prefill_attention_isa(const std::string& dtype) {
+  if (dtype == "float32") return qb::prefill_attention_f32_built() ? "avx2-fma" : "";
+  if (dtype != "bfloat16") return "";
 #if defined(QB_PREFILL_BF16) && defined(QB_AMX)
   if (qb::amx_permitted()) return "amx";
 #endif
@@ -191,19 +186,7 @@ inline void output_amx(const uint32_t* p, int64_t live, const uint32_t* v, int64
 }
 #endif
 
-// One call's tensors: q [Lq, heads, d], k and v [Lk, kv_heads, d] (rows `*_row` elements apart, heads `*_head`),
-// or, with `slots`, key i's K and V in row slots[i] of k and v (a paged cache's slots); out [Lq, heads, d]
-// contiguous. Query i sees keys 0 ..= i + Lk - Lq.
-struct Problem {
-  const c10::BFloat16 *q, *k, *v;
-  c10::BFloat16* out;
-  int64_t q_len, k_len, heads, kv_heads, head_dim;
-  int64_t q_row, q_head, k_row, k_head, v_row, v_head;
-  float scale;
-  const int64_t* slots = nullptr;
-
-  int64_t row_of(int64_t key) const { return slots ? slots[key] : key; }
-};
+using Problem = qb::PrefillProblem<c10::BFloat16>;
 
 // K and V of every KV head in the tiles' layouts, zero past the context (keys padded to a whole block):
 // k: [kv head][key / 16][dim pair][key % 16] words; v: [kv head][key pair][dim] words.
@@ -382,21 +365,38 @@ void prefill_attention_bf16(const Problem& pr) {
 }  // namespace
 #endif
 
+namespace {
+
+// The call's problem over tensors whose last dimension is contiguous (made so where not).
+template <typename T>
+qb::PrefillProblem<T> problem_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                 torch::Tensor& result, int64_t k_len, float scale, const int64_t* slots) {
+  return {q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), result.data_ptr<T>(), q.size(0), k_len, q.size(1),
+          k.size(1), q.size(2), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale,
+          slots};
+}
+
+}  // namespace
+
 // q: [Lq, heads, d]; k, v: [Lk, kv_heads, d], Lk >= Lq, or with `slots` (int64 [Lk]) rows of a paged cache that
-// slots pick in key order; bfloat16, d a multiple of 32. Query i attends to keys 0 ..= i + Lk - Lq (the chunk's
-// queries are the context's last ones). Writes into `out` ([Lq, heads, d], contiguous) where given; returns it.
+// slots pick in key order; all bfloat16 (d a multiple of 32) or all float32 (d a multiple of 16). Query i attends to
+// keys 0 ..= i + Lk - Lq (the chunk's queries are the context's last ones). Writes into `out` ([Lq, heads, d],
+// contiguous, q's dtype) where given; returns it.
 torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
                                 const c10::optional<torch::Tensor>& slots, const c10::optional<torch::Tensor>& out) {
-#ifdef QB_PREFILL_BF16
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: [tokens, heads, head_dim] tensors");
   TORCH_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu(), "prefill_attention: CPU tensors only");
   TORCH_CHECK(scale > 0, "prefill_attention: the scale must be positive (the running maximum is taken unscaled)");
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
-                  v.scalar_type() == torch::kBFloat16,
-              "prefill_attention: bfloat16 only");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == torch::kBFloat16 || dtype == torch::kFloat32) && k.scalar_type() == dtype &&
+                  v.scalar_type() == dtype,
+              "prefill_attention: bfloat16 or float32, the same for q, k and v");
+  const bool f32 = dtype == torch::kFloat32;
+  TORCH_CHECK(!prefill_attention_isa(f32 ? "float32" : "bfloat16").empty(),
+              f32 ? "prefill_attention: float32 needs AVX2 and FMA" : "prefill_attention: bfloat16 needs AVX512-BF16");
   const int64_t q_len = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(1);
   const int64_t k_len = slots.has_value() ? slots->numel() : k.size(0);
-  TORCH_CHECK(d > 0 && d % 32 == 0 && k.size(2) == d && v.sizes() == k.sizes() && kv_heads > 0 &&
+  TORCH_CHECK(d > 0 && d % (f32 ? 16 : 32) == 0 && k.size(2) == d && v.sizes() == k.sizes() && kv_heads > 0 &&
                   heads % kv_heads == 0 && k_len >= q_len,
               "prefill_attention: shapes do not fit");
   torch::Tensor slots_c;
@@ -410,16 +410,17 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
   const torch::Tensor qc = q.stride(2) == 1 ? q : q.contiguous(), kc = k.stride(2) == 1 ? k : k.contiguous(),
                       vc = v.stride(2) == 1 ? v : v.contiguous();
   torch::Tensor result = out.has_value() ? *out : torch::empty({q_len, heads, d}, q.options());
-  TORCH_CHECK(result.sizes() == q.sizes() && result.scalar_type() == torch::kBFloat16 && result.is_contiguous(),
-              "prefill_attention: out must be a contiguous bfloat16 tensor of q's shape");
+  TORCH_CHECK(result.sizes() == q.sizes() && result.scalar_type() == dtype && result.is_contiguous(),
+              "prefill_attention: out must be a contiguous tensor of q's shape and dtype");
   if (q_len == 0) return result;
-  Problem problem{qc.data_ptr<c10::BFloat16>(), kc.data_ptr<c10::BFloat16>(), vc.data_ptr<c10::BFloat16>(),
-                  result.data_ptr<c10::BFloat16>(), q_len, k_len, heads, kv_heads, d, qc.stride(0), qc.stride(1),
-                  kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), static_cast<float>(scale)};
-  if (slots.has_value()) problem.slots = slots_c.data_ptr<int64_t>();
-  prefill_attention_bf16(problem);
-  return result;
-#else
-  TORCH_CHECK(false, "prefill_attention: built without AVX512-BF16");
+  const int64_t* slot_rows = slots.has_value() ? slots_c.data_ptr<int64_t>() : nullptr;
+  const float s = static_cast<float>(scale);
+  if (f32) {
+    qb::prefill_attention_f32(problem_of<float>(qc, kc, vc, result, k_len, s, slot_rows));
+    return result;
+  }
+#ifdef QB_PREFILL_BF16
+  prefill_attention_bf16(problem_of<c10::BFloat16>(qc, kc, vc, result, k_len, s, slot_rows));
 #endif
+  return result;
 }
