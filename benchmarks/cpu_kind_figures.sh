@@ -27,7 +27,8 @@ log "int8 linears against dense bf16 matmuls by row count (layers/int8_large_m.p
 $py benchmarks/int8_dense_rows.py | tee $out/int8-dense-rows-$kind.txt
 log "prefill attention: ours against SDPA's flash kernel (layers/prefill_choice.py)"
 attention_dtype=$([ $kind = avx2 ] && echo float32 || echo bfloat16)  # the kind's default engine dtype
-$py benchmarks/prefill_attention_micro.py --dtype $attention_dtype --repeats 3 | tee $out/prefill-attention-micro-$kind.txt
+$py benchmarks/prefill_attention_micro.py --dtype $attention_dtype --repeats 3 |
+  tee $out/prefill-attention-micro-$kind.txt
 
 log "beside llama.cpp: 1 / 16 / 64 sequences, batch-1 decode, prefill of 1,024 / 4,096 / 8,192 tokens"
 $py benchmarks/llama_cpp_compare.py --quantization int8 --parallel 1,16,64 --prefill-lens 1024,4096,8192 \

@@ -1,10 +1,10 @@
-"""Prefill attention on the default model's shapes (14 query heads, 2 KV heads, head_dim 64, bfloat16 or float32):
-our kernel (`prefill_attention`: AVX512-BF16 or AMX in bf16, AVX2 FMAs in float32) against what the engine calls
-without it, SDPA's CPU flash kernel (causal
-for a fresh prompt; for a chunk after a cached prefix, two mask-free calls merged by log-sum-exp at >= 1,024 queries,
-else one call with the bottom-right mask). GFLOP/s count the products of the visible (unmasked) scores only.
-`--base COMMIT` puts that commit's kernel in SDPA's place: a change to ours, measured in one process, each shape
-alternating the two sides call by call (the median of each side's times). Never run by CI.
+"""Prefill attention on the default model's shapes (14 query heads, 2 KV heads, head_dim 64, bfloat16 or float32): our
+kernel (`prefill_attention`: AVX512-BF16 or AMX in bf16, AVX2 FMAs in float32) against what the engine calls without
+it, SDPA's CPU flash kernel (causal for a fresh prompt; for a chunk after a cached prefix, two mask-free calls
+merged by log-sum-exp at >= 1,024 queries, else one call with the bottom-right mask). GFLOP/s count the products of
+the visible (unmasked) scores only. `--base COMMIT` puts that commit's kernel in SDPA's place: a change to ours,
+measured in one process, each shape alternating the two sides call by call (the median of each side's times). Never
+run by CI.
 
     .venv/bin/python benchmarks/prefill_attention_micro.py [--dtype float32] [--base HEAD]
 """

@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwenbatch.layers.attention import KernelAttentionMetadata, StepLayout, TorchAttentionMetadata
+from qwenbatch.layers.attention import (
+    KernelAttentionMetadata,
+    StepLayout,
+    TorchAttentionMetadata,
+    sdpa_chunk_attention,
+)
 from qwenbatch.layers.cpu_kernels import _cpu_flags, kernels
 
 _FLAGS = set(_cpu_flags().split())
@@ -52,6 +57,8 @@ SHAPES = [
     (130, 1000, 14, 2, 64),  # a long prefix, several query and key blocks
     (100, 100, 16, 8, 128),  # Qwen3's head_dim
     (1, 257, 14, 2, 64),  # a one-token chunk after a prefix
+    (45, 300, 14, 2, 64),  # a block boundary inside the diagonal: early queries see none of the last key block
+    (300, 300, 14, 2, 64),  # the same in a fresh prompt
 ]
 
 
@@ -88,6 +95,21 @@ def test_float32_prefill_attention_is_within_float32_rounding_of_exact(q_len, k_
     got = kernels().prefill_attention(q, k, v, scale)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), _exact_attention(q, k, v, scale), rtol=1e-5, atol=2e-5)
+
+
+def test_float32_weights_far_below_the_row_maximum_are_zero_not_garbage():
+    """Scores spread over hundreds of powers of two (peaked rows, as an attention sink gives): the kernel's exp clamps
+    its exponent below 2^-126, and the weights it clamps stay as negligible as the true ones. Scores this large carry
+    float32 rounding of ~1e-4 into the weights, so the bound is SDPA's float32 kernel's own distance from exact
+    (measured: ours 1.37e-4, SDPA 1.41e-4)."""
+    needs_the_kernel(torch.float32)
+    torch.manual_seed(5)
+    q, k, v = random_qkv(64, 300, 14, 2, 64, torch.float32)
+    q *= 40  # scores' spread within a row: ~500 in log2 units
+    want = _exact_attention(q, k, v, 0.125)
+    ours = (kernels().prefill_attention(q, k, v, 0.125).double() - want).abs().max()
+    sdpa = (sdpa_chunk_attention(q, k, v, 0.125).double() - want).abs().max()
+    assert ours <= 2 * sdpa, (float(ours), float(sdpa))
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -102,10 +102,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     # int8: CPU linears with int8 weights and activations, one scale per 32 values (vLLM's flag name).
     quantization: str = "none"
-    # Our fused CPU kernels (layers/csrc) for norms, SiLU * up, RoPE, paged decode attention and (bf16, with
-    # AVX512-BF16) prefill attention, and the allocator that caches large step buffers. auto: on in every dtype
-    # where a C++ compiler is found (built once, ~40 s on 2 cores; in float32 they change only the order of
-    # float32 sums, and greedy parity with transformers holds); always on with int8.
+    # Our fused CPU kernels (layers/csrc) for norms, SiLU * up, RoPE, paged decode attention and prefill attention
+    # (bf16 with AVX512-BF16, float32 with AVX2; where timed faster than SDPA's), and the allocator that caches large
+    # step buffers. auto: on in every dtype where a C++ compiler is found (built once, ~40 s on 2 cores; in float32
+    # they change only float32 rounding, and greedy parity with transformers holds); always on with int8.
     cpu_kernels: str = "auto"
     # CPU: torch.compile (inductor, frozen weights) of the model, attention opaque, instead of the fused CPU
     # kernels (which it would only see as opaque calls); off by default (BENCHMARKS.md: it decodes slower).

@@ -57,17 +57,16 @@ def prepare_kernels(
     """Swap ``model``'s layers in place for the fastest kernels this CPU has (nothing changes on CUDA).
 
     With ``cpu_kernels`` the norms, SiLU * up, RoPE and decode attention run in our fused CPU kernels
-    (layers/cpu_kernels.py: a small step is otherwise mostly PyTorch per-op overhead and decode attention's
-    gather), and bf16 prefill attention in ours or SDPA's flash kernel, whichever is faster here (timed on the
+    (layers/cpu_kernels.py: a small step is otherwise mostly PyTorch per-op overhead and decode attention's gather),
+    and prefill attention (bf16 or float32) in ours or SDPA's flash kernel, whichever is faster here (timed on the
     model's heads); int8 needs them. A bf16 engine's int8 linears run as dense bf16 matmuls from the row count at
-    which that was timed faster (layers/int8_large_m.py). Linears that stay dense are
-    prepacked for oneDNN where it has a fast path for ``dtype``; in bf16, the row counts at which oneDNN would run
-    one on a single thread run in pieces (layers/packed_rows.py, timed). Kernels that fail to build raise RuntimeError
-    if ``required``, else the PyTorch layers stay (with a warning). With int8 each linear is quantized from its
-    weights as ``checkpoint`` holds them, in float32 (the model's copy may be rounded), a slice at a time. With
-    ``compile`` only the LM head (run outside the compiled graph) is prepacked: inductor packs the rest itself
-    when it freezes the weights. A mixture of experts' experts are packed, or with int8 quantized from the
-    checkpoint too (layers/cpu_experts.py).
+    which that was timed faster (layers/int8_large_m.py). Linears that stay dense are prepacked for oneDNN where it
+    has a fast path for ``dtype``; in bf16, the row counts at which oneDNN would run one on a single thread run in
+    pieces (layers/packed_rows.py, timed). Kernels that fail to build raise RuntimeError if ``required``, else the
+    PyTorch layers stay (with a warning). With int8 each linear is quantized from its weights as ``checkpoint``
+    holds them, in float32 (the model's copy may be rounded), a slice at a time. With ``compile`` only the LM head
+    (run outside the compiled graph) is prepacked: inductor packs the rest itself when it freezes the weights. A
+    mixture of experts' experts are packed, or with int8 quantized from the checkpoint too (layers/cpu_experts.py).
     """
     if compile:
         packed = onednn_available(dtype, device) and pack_linears(

@@ -386,7 +386,7 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
                                 const c10::optional<torch::Tensor>& slots, const c10::optional<torch::Tensor>& out) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: [tokens, heads, head_dim] tensors");
   TORCH_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu(), "prefill_attention: CPU tensors only");
-  TORCH_CHECK(scale > 0, "prefill_attention: the scale must be positive (the running maximum is taken unscaled)");
+  TORCH_CHECK(scale > 0, "prefill_attention: the scale must be positive (the bf16 kernel takes its running maximum unscaled)");
   const auto dtype = q.scalar_type();
   TORCH_CHECK((dtype == torch::kBFloat16 || dtype == torch::kFloat32) && k.scalar_type() == dtype &&
                   v.scalar_type() == dtype,

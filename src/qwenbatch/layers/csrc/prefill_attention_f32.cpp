@@ -41,6 +41,7 @@ namespace {
 // measurements chose these); a register tile is kTileRows queries x 16 keys (scores) or x 16 dimensions (output):
 // 12 accumulators, two loads and six broadcasts a step, BLIS's float32 tile shape for AVX2.
 constexpr int64_t kQueryRows = 48, kKeys = 256, kTileRows = 6;
+static_assert(kQueryRows % kTileRows == 0, "a task's rows are whole tiles");
 
 // K of every KV head as [kv head][key / 8][dim][key % 8] (a score tile's two vectors a dimension), V as
 // [kv head][dim / 16][key][dim % 16] (an output tile's strip of every key in a row: V read with a stride of a whole
@@ -132,10 +133,10 @@ inline __m256 exp2_8(__m256 t) {
   return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), exponent));
 }
 
-// Lanes [0, n) set, n clamped to [0, 8].
+// Lanes [0, n) set, for n >= 0.
 inline __m256 first_lanes(int64_t n) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i count = _mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(n, 0, 8)));
+  const __m256i count = _mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8)));
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(count, lane));
 }
 
