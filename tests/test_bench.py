@@ -54,7 +54,9 @@ def test_bench_throughput_with_every_option_writes_a_complete_report(tiny_qwen2,
     assert report["ratio_output_tps"] == ours["output_tps"] / base["output_tps"]
     assert report["baseline_batch_size"] in (1, 2)
     assert report["batch1"]["fraction_of_copy"] > 0
-    assert "ratio output tok/s" in capsys.readouterr().out
+    assert report["machine"]["cpu"]["model"]  # the machine kind beside every figure
+    printed = capsys.readouterr().out
+    assert "ratio output tok/s" in printed and "\ncpu: " in printed
 
 
 def test_bench_throughput_repeats_each_system_in_turn_and_reports_the_medians(tiny_qwen2, tmp_path):
@@ -188,3 +190,36 @@ def test_llama_cpp_baseline_needs_a_gguf(tiny_qwen2):
 
     with pytest.raises(ValueError, match="needs a GGUF"):
         gguf_for(str(tiny_qwen2))
+
+
+ZEN3_VM = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 1
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx avx2 fma f16c
+
+processor\t: 1
+cpu family\t: 25
+model\t\t: 1
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx avx2 fma f16c
+"""
+
+ARM = """processor\t: 0
+BogoMIPS\t: 50.00
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32
+CPU implementer\t: 0x41
+"""
+
+
+def test_the_cpu_kind_names_family_and_model_where_the_vm_names_only_the_vendor():
+    from qwenbatch.bench.machine import cpu_kind, describe_cpu
+
+    kind = cpu_kind(ZEN3_VM)
+    assert kind["model"] == "AMD EPYC" and (kind["family"], kind["model_number"]) == (25, 1)
+    assert kind["flags"] == ["avx2"]
+    assert describe_cpu(kind).startswith("AMD EPYC (family 25, model 1; avx2), ")
+    arm = cpu_kind(ARM)  # no family, no model name, no x86 flags: nothing made up
+    assert arm["model"] == "unknown" and "family" not in arm and arm["flags"] == []
+    assert describe_cpu(arm) == f"unknown, {arm['machine']}"

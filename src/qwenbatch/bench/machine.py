@@ -6,20 +6,46 @@ import platform
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import torch
 
+# The extensions that pick our CPU kernels.
+_KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
 
-def cpu_kind() -> dict:
-    """The CPU's model name, the vector and matrix extensions that pick its kernels, and the machine, from
-    /proc/cpuinfo (Linux): recorded with every figure, since the machine kind varies from session to session."""
-    with open("/proc/cpuinfo") as f:
-        lines = f.read().splitlines()
-    model = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    flags = next(line.split(":", 1)[1].split() for line in lines if line.startswith("flags"))
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
-    return {"model": model, "flags": [f for f in wanted if f in flags], "machine": platform.machine()}
+
+def cpu_kind(cpuinfo: str | None = None) -> dict:
+    """The CPU's model name, family and model number, the vector and matrix extensions that pick its kernels, and
+    the machine, from ``cpuinfo`` (default: /proc/cpuinfo's text; its first processor): recorded with every figure,
+    since the machine kind varies from session to session. In VMs the name may say only "AMD EPYC": the family and
+    model number tell Zen 3 (25, 1) from Zen 4 (25, 17) and Zen 5 (26, 2). Fields a CPU does not report (an ARM
+    one has no family) are left out; the name is then "unknown"."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, colon, value = line.partition(":")
+        if colon:
+            fields.setdefault(key.strip(), value.strip())
+    flags = fields.get("flags", "").split()
+    kind: dict = {"model": fields.get("model name", "unknown")}
+    for field, name in (("cpu family", "family"), ("model", "model_number")):
+        if fields.get(field, "").isdigit():
+            kind[name] = int(fields[field])
+    kind.update(flags=[f for f in _KERNEL_FLAGS if f in flags], machine=platform.machine())
+    return kind
+
+
+def describe_cpu(kind: dict) -> str:
+    """One line for a report: 'AMD EPYC (family 25, model 1; avx2), x86_64'."""
+    labels = (("family", "family"), ("model_number", "model"))
+    numbers = [f"{label} {kind[key]}" for key, label in labels if key in kind]
+    details = "; ".join(filter(None, [", ".join(numbers), " ".join(kind["flags"])]))
+    return f"{kind['model']}" + (f" ({details})" if details else "") + f", {kind['machine']}"
 
 
 def gemm_gflops(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:

@@ -7,7 +7,7 @@ import statistics
 
 from qwenbatch.bench import throughput
 from qwenbatch.bench.isolation import alternating_rounds, in_fresh_process
-from qwenbatch.bench.machine import gemm_gflops
+from qwenbatch.bench.machine import cpu_kind, describe_cpu, gemm_gflops
 from qwenbatch.bench.workloads import BenchRequest
 from qwenbatch.config import EngineConfig
 
@@ -39,7 +39,8 @@ def throughput_report(
         raise ValueError(f"--repeats must be at least 1, got {repeats}")
     gemm_samples = [gemm_gflops(config.torch_dtype)]
     dtype_name = str(config.torch_dtype).removeprefix("torch.")
-    report: dict = {"workload": workload, "machine": {"gemm_dtype": dtype_name}, "repeats": repeats}
+    machine = {"cpu": cpu_kind(), "gemm_dtype": dtype_name}
+    report: dict = {"workload": workload, "machine": machine, "repeats": repeats}
     ours_runs: list[throughput.SystemResult] = []
     base_runs: list[throughput.SystemResult] = []
     llama_runs: list[throughput.SystemResult] = []
@@ -172,6 +173,7 @@ def format_report(report: dict) -> str:
     attention = f"; prefill attention: {ours['prefill_attention']}" if "prefill_attention" in ours else ""
     attention += f"; decode attention: {ours['decode_attention']}" if "decode_attention" in ours else ""
     lines.append(f"linears: {ours['linear_kernels']}{attention} on {ours['device']}")
+    lines.append(f"cpu: {describe_cpu(m['cpu'])}")
     if priced:
         lines.append(
             f"cost at ${report['price_per_hour']:.2f}/hour: $ per 1M output tokens = price per hour / "
