@@ -800,7 +800,8 @@ def fake_report(*output_tps: float) -> dict:
         }
         for i, tps in enumerate(output_tps)
     ]
-    machine = {"gemm_2048_gflops": 10.0, "gemm_dtype": "float32"}
+    cpu = {"model": "AMD EPYC", "family": 25, "model_number": 1, "flags": ["avx2"], "machine": "x86_64"}
+    machine = {"cpu": cpu, "gemm_2048_gflops": 10.0, "gemm_dtype": "float32"}
     return {"workload": "random", "machine": machine, "systems": systems, "model_gflops_fraction_of_gemm": 0.1}
 
 
