@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import cpu_flags, kernel_targets
 from qwenbatch.layers.activation import SiluAndMul
 from qwenbatch.layers.attention import KernelAttentionMetadata, StepLayout, TorchAttentionMetadata
 from qwenbatch.layers.cpu_kernels import KernelRMSNorm, KernelSiluAndMul, kernels, use_cpu_kernels
@@ -69,20 +70,15 @@ def test_add_rms_norm_adds_into_the_residual_and_normalizes_the_sum(dtype, shape
     torch.testing.assert_close(got, want, rtol=2 * torch.finfo(dtype).eps, atol=1e-5)
 
 
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        return set(next((line for line in f if line.startswith("flags")), "").split())
-
-
-_HAS_AMX = {"amx_tile", "amx_bf16"} <= _cpu_flags()
+_HAS_AMX = {"amx_tile", "amx_bf16"} <= cpu_flags()
 # The decode kernels as built for this CPU ("native": scores on AMX tiles where it has them), for AVX2 (another vector
 # width), and, on an AMX CPU, without AMX (the AVX512-BF16 kinds' scores by vdpbf16ps; elsewhere that is "native").
-DECODE_TARGETS = ["native", "avx2"] + (["no-amx"] if _HAS_AMX else [])
+DECODE_TARGETS = kernel_targets("native", "avx2") + (["no-amx"] if _HAS_AMX else [])
 
 
 @pytest.mark.parametrize("target", DECODE_TARGETS)
 def test_decode_attention_takes_its_scores_with_the_best_unit_the_build_has(target):
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if target == "avx2" or "avx512_bf16" not in flags:
         want = "float32"
     elif target == "native" and _HAS_AMX:
@@ -275,7 +271,7 @@ def test_a_build_killed_half_way_does_not_hang_the_next_start():
 
 
 # The loops that call qb::vec_exp, by source: SiLU (silu_and_mul), the softmax, the int8 gate_up's SiLU · up store.
-@pytest.mark.parametrize("target", ["native", "avx2"])
+@pytest.mark.parametrize("target", kernel_targets("native", "avx2"))
 @pytest.mark.parametrize("source", ["cpu_ops", "decode_attention", "int8_linear"])
 def test_the_exp_loops_are_built_as_vector_code(target, source):
     """Their values are the same either way, so only the machine code shows it: GCC left every one of these loops

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import cpu_flags, kernel_targets
 from qwenbatch import LLM, SamplingParams
 from qwenbatch.layers import int8_large_m
 from qwenbatch.layers.cpu_kernels import kernels
@@ -26,12 +27,11 @@ from qwenbatch.layers.int8_linear import (
 
 
 def cpu_has(flag: str) -> bool:
-    with open("/proc/cpuinfo") as f:
-        return flag in next((line for line in f if line.startswith("flags")), "").split()
+    return flag in cpu_flags()
 
 
 # avx512: AVX-512 without BF16, whose conversion to bf16 rounds in integer code of its own.
-@pytest.mark.parametrize("target", ["native", "avx2", "portable", "avx512"])
+@pytest.mark.parametrize("target", kernel_targets("native", "avx2", "portable", "avx512"))
 @pytest.mark.parametrize("bits", [8, 5])
 @pytest.mark.parametrize("gate_up_halves", [False, True])
 def test_dequantized_weight_is_the_packed_one_rounded_to_bf16(target, bits, gate_up_halves):

@@ -4,7 +4,7 @@
 #include "int8_tasks.h"
 #include "ops.h"
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The long calls release the GIL: a server's event loop shares the process with the engine's thread.
@@ -52,7 +52,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil);
   // module_local: the tests load builds for several targets into one process.
   py::class_<Int8Weight>(m, "Int8Weight", py::module_local(), "a linear layer's weights in int8_linear's packed format")
-      .def(py::init<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, bool>(),
+      .def(py::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t, int64_t, bool>(),
            py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("n"), py::arg("out_features"),
            py::arg("bits"), py::arg("silu_and_mul") = false);
   py::class_<LayerLinear>(m, "LayerLinear", py::module_local(),

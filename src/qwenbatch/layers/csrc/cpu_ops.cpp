@@ -8,6 +8,8 @@
 #include "ops.h"
 #include "row_search.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -244,13 +246,13 @@ void mask_to_allowed_impl(const T* logits, const uint32_t* bits, int64_t rows, i
 namespace {
 
 // rms_norm and add_rms_norm: residual is null or a tensor the caller checked against x.
-torch::Tensor normalize(const torch::Tensor& x, torch::Tensor* residual, const torch::Tensor& weight, double eps,
+at::Tensor normalize(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps,
                         const char* name) {
   const int64_t n = x.size(-1);
   TORCH_CHECK(weight.numel() == n && weight.scalar_type() == x.scalar_type(), name,
               ": weight must be [n] in x's dtype");
-  const torch::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  torch::Tensor y = torch::empty_like(xc);
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor y = at::empty_like(xc);
   QB_DISPATCH(x.scalar_type(), name,
               rms_norm_impl<scalar_t>(xc.data_ptr<scalar_t>(), residual ? residual->data_ptr<scalar_t>() : nullptr,
                                       wc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), xc.numel() / n, n,
@@ -261,11 +263,11 @@ torch::Tensor normalize(const torch::Tensor& x, torch::Tensor* residual, const t
 }  // namespace
 
 // x: [..., n], weight: [n] in x's dtype.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return normalize(x, nullptr, weight, eps, "rms_norm");
 }
 
-torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps) {
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() && residual.is_contiguous(),
               "add_rms_norm: residual must be a contiguous tensor of x's shape and dtype");
   return normalize(x, &residual, weight, eps, "add_rms_norm");
@@ -273,13 +275,13 @@ torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, cons
 
 // x: [T, heads, head_dim] with a contiguous last dim (e.g. a slice of the fused qkv output); cos, sin:
 // [T, head_dim] (any leading view) in x's dtype. Returns a new contiguous [T, heads, head_dim].
-torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary: x must be [T, heads, head_dim] with contiguous rows");
   const int64_t T = x.size(0), heads = x.size(1), head_dim = x.size(2);
-  const torch::Tensor c = cos.reshape({T, head_dim}).contiguous(), s = sin.reshape({T, head_dim}).contiguous();
+  const at::Tensor c = cos.reshape({T, head_dim}).contiguous(), s = sin.reshape({T, head_dim}).contiguous();
   TORCH_CHECK(c.scalar_type() == x.scalar_type() && s.scalar_type() == x.scalar_type() && head_dim % 2 == 0,
               "rotary: cos and sin in x's dtype, an even head_dim");
-  torch::Tensor out = torch::empty({T, heads, head_dim}, x.options());
+  at::Tensor out = at::empty({T, heads, head_dim}, x.options());
   QB_DISPATCH(x.scalar_type(), "rotary",
               rotary_impl<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.stride(1), c.data_ptr<scalar_t>(),
                                     s.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), T, heads, head_dim));
@@ -287,12 +289,12 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
 }
 
 // x: [..., 2n] (gate, then up) -> [..., n].
-torch::Tensor silu_and_mul(const torch::Tensor& x) {
+at::Tensor silu_and_mul(const at::Tensor& x) {
   const int64_t n = x.size(-1) / 2;
-  const torch::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
-  torch::Tensor y = torch::empty(shape, x.options());
+  at::Tensor y = at::empty(shape, x.options());
   QB_DISPATCH(x.scalar_type(), "silu_and_mul",
               silu_and_mul_impl<scalar_t>(xc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), xc.numel() / (2 * n), n));
   return y;
@@ -300,12 +302,12 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
 
 // logits: [B, vocab] float32, bfloat16 or float16. Returns (int64 [B]: each row's first maximal index, as
 // argmax gives; bool [B]: the row holds an inf or a NaN).
-std::tuple<torch::Tensor, torch::Tensor> greedy_tokens(const torch::Tensor& logits) {
+std::tuple<at::Tensor, at::Tensor> greedy_tokens(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "greedy_tokens: logits must be [B, vocab]");
-  const torch::Tensor lc = logits.contiguous();
+  const at::Tensor lc = logits.contiguous();
   const int64_t rows = lc.size(0), vocab = lc.size(1);
-  torch::Tensor tokens = torch::empty({rows}, lc.options().dtype(torch::kInt64));
-  torch::Tensor non_finite = torch::empty({rows}, lc.options().dtype(torch::kBool));
+  at::Tensor tokens = at::empty({rows}, lc.options().dtype(at::kLong));
+  at::Tensor non_finite = at::empty({rows}, lc.options().dtype(at::kBool));
   QB_DISPATCH(lc.scalar_type(), "greedy_tokens",
               greedy_tokens_impl<scalar_t>(lc.data_ptr<scalar_t>(), rows, vocab, tokens.data_ptr<int64_t>(),
                                            non_finite.data_ptr<bool>()));
@@ -314,14 +316,14 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_tokens(const torch::Tensor& logi
 
 // logits: [B, vocab] float32, bfloat16 or float16; bits: int32 [B, >= ceil(vocab / 32)]. Returns (a new [B, vocab]
 // in the logits' dtype: -inf where a token's bit is clear; bool [B]: the row of logits holds an inf or a NaN).
-std::tuple<torch::Tensor, torch::Tensor> mask_to_allowed(const torch::Tensor& logits, const torch::Tensor& bits) {
+std::tuple<at::Tensor, at::Tensor> mask_to_allowed(const at::Tensor& logits, const at::Tensor& bits) {
   TORCH_CHECK(logits.dim() == 2 && bits.dim() == 2 && bits.size(0) == logits.size(0), "mask_to_allowed: [B, vocab]");
-  TORCH_CHECK(bits.scalar_type() == torch::kInt32 && bits.size(1) * 32 >= logits.size(1),
+  TORCH_CHECK(bits.scalar_type() == at::kInt && bits.size(1) * 32 >= logits.size(1),
               "mask_to_allowed: bits must be int32 [B, >= ceil(vocab / 32)]");
-  const torch::Tensor lc = logits.contiguous(), bc = bits.contiguous();
+  const at::Tensor lc = logits.contiguous(), bc = bits.contiguous();
   const int64_t rows = lc.size(0), vocab = lc.size(1);
-  torch::Tensor out = torch::empty_like(lc);
-  torch::Tensor non_finite = torch::empty({rows}, lc.options().dtype(torch::kBool));
+  at::Tensor out = at::empty_like(lc);
+  at::Tensor non_finite = at::empty({rows}, lc.options().dtype(at::kBool));
   QB_DISPATCH(lc.scalar_type(), "mask_to_allowed",
               mask_to_allowed_impl<scalar_t>(lc.data_ptr<scalar_t>(), reinterpret_cast<const uint32_t*>(bc.data_ptr()),
                                              rows, vocab, bc.size(1), out.data_ptr<scalar_t>(),

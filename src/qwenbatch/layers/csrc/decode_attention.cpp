@@ -14,6 +14,7 @@
 #include "ops.h"
 #include "prefetch.h"
 
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -603,20 +604,20 @@ std::string decode_attention_isa() {
 
 // q: [D, heads, head_dim]; kv_cache: [2, blocks, block_size, kv_heads, head_dim]; block_tables: int32 [D, max_blocks];
 // lens: int32 [D] (context lengths, the new token's K/V already stored). Returns [D, heads, head_dim].
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
-                                     const torch::Tensor& block_tables, const torch::Tensor& lens, double scale) {
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                                     const at::Tensor& block_tables, const at::Tensor& lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2 && lens.dim() == 1,
               "paged_decode_attention: bad ranks");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && kv_cache.is_contiguous(),
               "paged_decode_attention: q and a contiguous cache of one dtype");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && lens.scalar_type() == torch::kInt32,
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt,
               "paged_decode_attention: int32 block tables and lengths");
   const int64_t D = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
   TORCH_CHECK(head_dim % 16 == 0 && kv_cache.size(4) == head_dim && heads % kv_heads == 0,
               "paged_decode_attention: head shapes do not fit");
-  const torch::Tensor qc = q.contiguous(), tables = block_tables.contiguous(), lc = lens.contiguous();
-  torch::Tensor out = torch::empty_like(qc);
+  const at::Tensor qc = q.contiguous(), tables = block_tables.contiguous(), lc = lens.contiguous();
+  at::Tensor out = at::empty_like(qc);
   const int64_t half = kv_cache.numel() / 2;
   const int32_t* lp = lc.data_ptr<int32_t>();
   const int64_t longest = D > 0 ? *std::max_element(lp, lp + D) : 0;

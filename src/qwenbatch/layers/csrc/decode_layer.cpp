@@ -8,7 +8,7 @@
 
 #include <cstring>
 
-torch::Tensor LayerLinear::operator()(const torch::Tensor& x) const {
+at::Tensor LayerLinear::operator()(const at::Tensor& x) const {
   if (int8.has_value()) return (*int8)(x);
   TORCH_CHECK(onednn_weight.has_value(), "decode_layer: a linear with neither int8 nor oneDNN weights");
   // Boxed, as torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") is called from Python: no C++ signature
@@ -24,8 +24,8 @@ torch::Tensor LayerLinear::operator()(const torch::Tensor& x) const {
 namespace {
 
 // K and V rows of this step ([D, kv_heads * head_dim] each, contiguous) into their cache slots.
-void write_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& kv_cache,
-              const torch::Tensor& slot_mapping) {
+void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
+              const at::Tensor& slot_mapping) {
   const int64_t rows = k.size(0), width = k.size(1), bytes = width * k.element_size();
   const int64_t half = kv_cache.numel() / 2;
   auto* k_cache = static_cast<char*>(kv_cache.data_ptr());
@@ -45,23 +45,23 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tenso
 // own forward. x: [D, hidden], one decoding row per sequence; cos, sin: [D, head_dim] (any leading view); kv_cache:
 // [2, blocks, block_size, kv_heads, head_dim]; slot_mapping: int64 [D]; block_tables: int32 [D, max_blocks];
 // lens: int32 [D] (context lengths including this step's token).
-std::tuple<torch::Tensor, torch::Tensor> decode_layer(
-    const torch::Tensor& x, const c10::optional<torch::Tensor>& residual, const DecodeLayerWeights& layer,
-    const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& kv_cache,
-    const torch::Tensor& slot_mapping, const torch::Tensor& block_tables, const torch::Tensor& lens) {
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& x, const c10::optional<at::Tensor>& residual, const DecodeLayerWeights& layer,
+    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& lens) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && kv_cache.is_contiguous() &&
-                  kv_cache.scalar_type() == x.scalar_type() && slot_mapping.scalar_type() == torch::kInt64 &&
+                  kv_cache.scalar_type() == x.scalar_type() && slot_mapping.scalar_type() == at::kLong &&
                   slot_mapping.numel() == x.size(0),
               "decode_layer: x [D, hidden] contiguous, a contiguous cache in x's dtype, int64 slots for each row");
   const int64_t D = x.size(0), hd = layer.head_dim;
   const int64_t q_size = layer.heads * hd, kv_size = layer.kv_heads * hd;
-  torch::Tensor stream = residual.has_value() ? *residual : x;
-  const torch::Tensor normed = residual.has_value() ? add_rms_norm(x, stream, layer.input_norm, layer.eps)
+  at::Tensor stream = residual.has_value() ? *residual : x;
+  const at::Tensor normed = residual.has_value() ? add_rms_norm(x, stream, layer.input_norm, layer.eps)
                                                     : rms_norm(x, layer.input_norm, layer.eps);
-  const torch::Tensor qkv = layer.qkv(normed);
-  torch::Tensor q = qkv.narrow(1, 0, q_size).view({D, layer.heads, hd});
-  torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({D, layer.kv_heads, hd});
-  const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).contiguous();
+  const at::Tensor qkv = layer.qkv(normed);
+  at::Tensor q = qkv.narrow(1, 0, q_size).view({D, layer.heads, hd});
+  at::Tensor k = qkv.narrow(1, q_size, kv_size).view({D, layer.kv_heads, hd});
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).contiguous();
   if (layer.q_norm.has_value()) {
     q = rms_norm(q, *layer.q_norm, layer.eps);
     k = rms_norm(k, *layer.k_norm, layer.eps);
@@ -69,8 +69,8 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layer(
   q = rotary(q, cos, sin);
   k = rotary(k, cos, sin);
   write_kv(k.view({D, kv_size}), v, kv_cache, slot_mapping);
-  const torch::Tensor attn = paged_decode_attention(q, kv_cache, block_tables, lens, layer.scale);
-  const torch::Tensor h = layer.o(attn.view({D, q_size}));
-  const torch::Tensor gate_up = layer.gate_up(add_rms_norm(h, stream, layer.post_attention_norm, layer.eps));
+  const at::Tensor attn = paged_decode_attention(q, kv_cache, block_tables, lens, layer.scale);
+  const at::Tensor h = layer.o(attn.view({D, q_size}));
+  const at::Tensor gate_up = layer.gate_up(add_rms_norm(h, stream, layer.post_attention_norm, layer.eps));
   return {layer.down(layer.gate_up.silu_and_mul() ? gate_up : silu_and_mul(gate_up)), stream};
 }

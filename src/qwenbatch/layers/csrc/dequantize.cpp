@@ -6,7 +6,7 @@
 #include "int8_layout.h"
 #include "ops.h"
 
-#include <torch/types.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -53,16 +53,16 @@ inline void dequantize_chunk(const uint8_t* u, const c10::Half* s, c10::BFloat16
 // The bfloat16 weight that packed w stands for, transposed: [K, N] with W^T[k][n] = q * s rounded to bfloat16,
 // for a dense bf16 matmul (oneDNN, in AMX tiles where the CPU has them) at many rows of x. With gate_up_halves,
 // w is a gated MLP's gate_up, its rows interleaved 8 by 8, and the columns come out in [gate; up] order.
-torch::Tensor int8_dequantize(const torch::Tensor& w, const torch::Tensor& scales, int64_t N, int64_t K, int64_t bits,
+at::Tensor int8_dequantize(const at::Tensor& w, const at::Tensor& scales, int64_t N, int64_t K, int64_t bits,
                               bool gate_up_halves) {
   TORCH_CHECK(K % kGroup == 0 && N % kTileRows == 0, "int8_dequantize: K must divide by 32 and N by 16");
   TORCH_CHECK(bits == 8 || bits == 5, "int8_dequantize: bits must be 8 or 5");
   const int64_t tile_bytes = kTileRows * K * bits / 8, G = K / kGroup;
-  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == N / kTileRows * tile_bytes,
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N / kTileRows * tile_bytes,
               "int8_dequantize: w must be contiguous uint8 with N * K * bits / 8 elements");
-  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.numel() == N * G,
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == N * G,
               "int8_dequantize: scales must be contiguous float16 with N * K / 32 elements");
-  torch::Tensor out = torch::empty({K, N}, torch::kBFloat16);
+  at::Tensor out = at::empty({K, N}, at::kBFloat16);
   c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const c10::Half* sp = scales.data_ptr<c10::Half>();

@@ -1,7 +1,8 @@
 // Float32 arithmetic helpers shared by the CPU kernels: an exp the compiler vectorizes, storage <-> float32
 // conversions it vectorizes, and the dtype switch of the kernels' entry points.
 #pragma once
-#include <torch/types.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -104,10 +105,10 @@ __attribute__((always_inline)) inline T silu_times(float gate, float up) {
 
 }  // namespace qb
 
-#define QB_DISPATCH(TYPE, NAME, ...)                                                      \
-  switch (TYPE) {                                                                         \
-    case torch::kFloat32: { using scalar_t = float; __VA_ARGS__; break; }                 \
-    case torch::kBFloat16: { using scalar_t = c10::BFloat16; __VA_ARGS__; break; }        \
-    case torch::kHalf: { using scalar_t = c10::Half; __VA_ARGS__; break; }                \
-    default: TORCH_CHECK(false, NAME, ": float32, bfloat16 or float16 only");             \
+#define QB_DISPATCH(TYPE, NAME, ...)                                                     \
+  switch (TYPE) {                                                                        \
+    case c10::kFloat: { using scalar_t = float; __VA_ARGS__; break; }                    \
+    case c10::kBFloat16: { using scalar_t = c10::BFloat16; __VA_ARGS__; break; }         \
+    case c10::kHalf: { using scalar_t = c10::Half; __VA_ARGS__; break; }                 \
+    default: TORCH_CHECK(false, NAME, ": float32, bfloat16 or float16 only");            \
   }

@@ -23,7 +23,7 @@
 #include "int8_tasks.h"
 #include "prefetch.h"
 
-#include <torch/types.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
@@ -73,7 +73,7 @@ struct QuantizedX {
 // (AVX-512 BF16 kind, Zen 5).
 struct Output {
   void* data;
-  torch::ScalarType type;  // float32, bfloat16 or float16
+  at::ScalarType type;  // float32, bfloat16 or float16
   int64_t ld;
   const float* bias;  // [N] or nullptr
   bool silu_and_mul;
@@ -118,8 +118,8 @@ struct Output {
   template <int R = 1, int T = 1>
   inline void store(int64_t m, int64_t n, const float* v) const {
     switch (type) {
-      case torch::kBFloat16: store_as<R, T, c10::BFloat16>(m, n, v); break;
-      case torch::kHalf: store_as<R, T, c10::Half>(m, n, v); break;
+      case at::kBFloat16: store_as<R, T, c10::BFloat16>(m, n, v); break;
+      case at::kHalf: store_as<R, T, c10::Half>(m, n, v); break;
       default: store_as<R, T, float>(m, n, v);
     }
   }
@@ -693,34 +693,34 @@ class TaskClaims {
 // x: [M, K] float32, bfloat16 or float16; w: packed uint8, N * K bytes (bits = 8) or N * K * 5 / 8 (bits = 5);
 // scales: float16 [N * K / 32]; bias: [N] or None. Returns [M, N] in x's dtype; with silu_and_mul, [M, N / 2]:
 // SiLU(gate) * up of a gated MLP packed with its gate and up rows interleaved 8 by 8.
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
-                          const c10::optional<torch::Tensor>& bias, int64_t N, int64_t bits, bool silu_and_mul) {
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                          const c10::optional<at::Tensor>& bias, int64_t N, int64_t bits, bool silu_and_mul) {
   TORCH_CHECK(x.dim() == 2, "int8_linear: x must be 2-D");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kGroup == 0 && N % kTileRows == 0, "int8_linear: K must divide by 32 and N by 16");
   TORCH_CHECK(bits == 8 || bits == 5, "int8_linear: bits must be 8 or 5");
   const int64_t tile_bytes = kTileRows * K * bits / 8;
-  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == N / kTileRows * tile_bytes,
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N / kTileRows * tile_bytes,
               "int8_linear: w must be contiguous uint8 with N * K * bits / 8 elements");
-  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.numel() == N * K / kGroup,
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == N * K / kGroup,
               "int8_linear: scales must be contiguous float16 with N * K / 32 elements");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16 ||
-                  x.scalar_type() == torch::kHalf,
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                  x.scalar_type() == at::kHalf,
               "int8_linear: x must be float32, bfloat16 or float16");
-  const torch::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.contiguous();
   QuantizedX xq;
   switch (x.scalar_type()) {
-    case torch::kBFloat16: xq = quantize_rows(xc.data_ptr<c10::BFloat16>(), M, K); break;
-    case torch::kHalf: xq = quantize_rows(xc.data_ptr<c10::Half>(), M, K); break;
+    case at::kBFloat16: xq = quantize_rows(xc.data_ptr<c10::BFloat16>(), M, K); break;
+    case at::kHalf: xq = quantize_rows(xc.data_ptr<c10::Half>(), M, K); break;
     default: xq = quantize_rows(xc.data_ptr<float>(), M, K);
   }
-  torch::Tensor bias_f;
+  at::Tensor bias_f;
   if (bias.has_value()) {
-    bias_f = bias->to(torch::kFloat32).contiguous();
+    bias_f = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(bias_f.numel() == N, "int8_linear: bias must have N elements");
   }
   const int64_t width = silu_and_mul ? N / 2 : N;
-  torch::Tensor y = torch::empty({M, width}, x.options());
+  at::Tensor y = at::empty({M, width}, x.options());
   const Output out{y.data_ptr(), x.scalar_type(), width, bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
                    silu_and_mul};
   const uint8_t* wp = w.data_ptr<uint8_t>();

@@ -10,6 +10,7 @@
 #include "ops.h"
 #include "row_search.h"
 
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -75,19 +76,19 @@ void row_logprobs(const T* x, int64_t vocab, int64_t target, int64_t k, float& t
 // logits: [R, vocab] float32, bfloat16 or float16; targets: int64 [R], one token a row; k >= 0. Returns each target's
 // log-probability (float32 [R]) and rank (int64 [R]: 1 + how many logits of its row are larger), and each row's k
 // largest logits as log-probabilities (float32 [R, k], best first, ties by the lower id) with their ids (int64).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> token_logprobs(const torch::Tensor& logits,
-                                                                                      const torch::Tensor& targets,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs(const at::Tensor& logits,
+                                                                                      const at::Tensor& targets,
                                                                                       int64_t k) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "token_logprobs: logits must be [rows, vocab]");
   TORCH_CHECK(k >= 0, "token_logprobs: k must be >= 0");
-  const torch::Tensor x = logits.contiguous(), wanted = targets.to(torch::kInt64).contiguous();
+  const at::Tensor x = logits.contiguous(), wanted = targets.to(at::kLong).contiguous();
   const int64_t rows = x.size(0), vocab = x.size(1);
   TORCH_CHECK(wanted.dim() == 1 && wanted.size(0) == rows, "token_logprobs: targets must be [rows]");
   const int64_t* target = wanted.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(target[r] >= 0 && target[r] < vocab, "token_logprobs: a target lies outside the vocabulary");
-  torch::Tensor chosen = torch::empty({rows}, torch::kFloat32), ranks = torch::empty({rows}, torch::kInt64),
-                values = torch::empty({rows, k}, torch::kFloat32), ids = torch::empty({rows, k}, torch::kInt64);
+  at::Tensor chosen = at::empty({rows}, at::kFloat), ranks = at::empty({rows}, at::kLong),
+                values = at::empty({rows, k}, at::kFloat), ids = at::empty({rows, k}, at::kLong);
   float* chosen_out = chosen.data_ptr<float>();
   int64_t* ranks_out = ranks.data_ptr<int64_t>();
   float* values_out = values.data_ptr<float>();

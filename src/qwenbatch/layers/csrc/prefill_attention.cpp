@@ -14,6 +14,7 @@
 #include "ops.h"
 #include "prefill_attention.h"
 
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -369,8 +370,8 @@ namespace {
 
 // The call's problem over tensors whose last dimension is contiguous (made so where not).
 template <typename T>
-qb::PrefillProblem<T> problem_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                 torch::Tensor& result, int64_t k_len, float scale, const int64_t* slots) {
+qb::PrefillProblem<T> problem_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 at::Tensor& result, int64_t k_len, float scale, const int64_t* slots) {
   return {q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), result.data_ptr<T>(), q.size(0), k_len, q.size(1),
           k.size(1), q.size(2), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale,
           slots};
@@ -382,16 +383,16 @@ qb::PrefillProblem<T> problem_of(const torch::Tensor& q, const torch::Tensor& k,
 // slots pick in key order; all bfloat16 (d a multiple of 32) or all float32 (d a multiple of 16). Query i attends to
 // keys 0 ..= i + Lk - Lq (the chunk's queries are the context's last ones). Writes into `out` ([Lq, heads, d],
 // contiguous, q's dtype) where given; returns it.
-torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
-                                const c10::optional<torch::Tensor>& slots, const c10::optional<torch::Tensor>& out) {
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                const c10::optional<at::Tensor>& slots, const c10::optional<at::Tensor>& out) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: [tokens, heads, head_dim] tensors");
   TORCH_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu(), "prefill_attention: CPU tensors only");
   TORCH_CHECK(scale > 0, "prefill_attention: the scale must be positive (the bf16 kernel takes its running maximum unscaled)");
   const auto dtype = q.scalar_type();
-  TORCH_CHECK((dtype == torch::kBFloat16 || dtype == torch::kFloat32) && k.scalar_type() == dtype &&
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && k.scalar_type() == dtype &&
                   v.scalar_type() == dtype,
               "prefill_attention: bfloat16 or float32, the same for q, k and v");
-  const bool f32 = dtype == torch::kFloat32;
+  const bool f32 = dtype == at::kFloat;
   TORCH_CHECK(!prefill_attention_isa(f32 ? "float32" : "bfloat16").empty(),
               f32 ? "prefill_attention: float32 needs AVX2 and FMA" : "prefill_attention: bfloat16 needs AVX512-BF16");
   const int64_t q_len = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(1);
@@ -399,17 +400,17 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
   TORCH_CHECK(d > 0 && d % (f32 ? 16 : 32) == 0 && k.size(2) == d && v.sizes() == k.sizes() && kv_heads > 0 &&
                   heads % kv_heads == 0 && k_len >= q_len,
               "prefill_attention: shapes do not fit");
-  torch::Tensor slots_c;
+  at::Tensor slots_c;
   if (slots.has_value()) {
     slots_c = slots->contiguous();
-    TORCH_CHECK(slots_c.scalar_type() == torch::kInt64 && slots_c.dim() == 1, "prefill_attention: int64 [Lk] slots");
+    TORCH_CHECK(slots_c.scalar_type() == at::kLong && slots_c.dim() == 1, "prefill_attention: int64 [Lk] slots");
     const int64_t* at = slots_c.data_ptr<int64_t>();
     TORCH_CHECK(std::all_of(at, at + k_len, [&](int64_t slot) { return slot >= 0 && slot < k.size(0); }),
                 "prefill_attention: a slot outside the cache");
   }
-  const torch::Tensor qc = q.stride(2) == 1 ? q : q.contiguous(), kc = k.stride(2) == 1 ? k : k.contiguous(),
+  const at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous(), kc = k.stride(2) == 1 ? k : k.contiguous(),
                       vc = v.stride(2) == 1 ? v : v.contiguous();
-  torch::Tensor result = out.has_value() ? *out : torch::empty({q_len, heads, d}, q.options());
+  at::Tensor result = out.has_value() ? *out : at::empty({q_len, heads, d}, q.options());
   TORCH_CHECK(result.sizes() == q.sizes() && result.scalar_type() == dtype && result.is_contiguous(),
               "prefill_attention: out must be a contiguous tensor of q's shape and dtype");
   if (q_len == 0) return result;

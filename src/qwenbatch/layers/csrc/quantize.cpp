@@ -2,7 +2,8 @@
 // Q5_0 rule where it gives the group back exactly, else Q8_0's. The rules are layers/int8_linear.py's
 // quantize_weight_q5 and quantize_weight (the reference, tested equal), done here because a model's worth of
 // PyTorch element-wise passes takes ~10 s for 0.5B weights on two cores.
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -48,15 +49,15 @@ std::tuple<c10::Half, bool, bool> quantize_group(const float* w, int8_t* v) {
 
 // weight: float32 [N, K], K a multiple of 32. Returns (values int8 [N, K], scales float16 [N, K / 32],
 // q5 bool [N, K / 32]: the group is a Q5_0 block (values in [-16, 15]), exact bool [N, K / 32]).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_groups(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.size(1) % kGroup == 0,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_groups(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.size(1) % kGroup == 0,
               "quantize_groups: weight must be float32 [N, K] with K a multiple of 32");
-  const torch::Tensor w = weight.contiguous();
+  const at::Tensor w = weight.contiguous();
   const int64_t groups = w.numel() / kGroup;
-  torch::Tensor values = torch::empty(w.sizes(), w.options().dtype(torch::kInt8));
-  torch::Tensor scales = torch::empty({w.size(0), w.size(1) / kGroup}, w.options().dtype(torch::kHalf));
-  torch::Tensor q5 = torch::empty(scales.sizes(), w.options().dtype(torch::kBool));
-  torch::Tensor exact = torch::empty(scales.sizes(), w.options().dtype(torch::kBool));
+  at::Tensor values = at::empty(w.sizes(), w.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({w.size(0), w.size(1) / kGroup}, w.options().dtype(at::kHalf));
+  at::Tensor q5 = at::empty(scales.sizes(), w.options().dtype(at::kBool));
+  at::Tensor exact = at::empty(scales.sizes(), w.options().dtype(at::kBool));
   const float* src = w.data_ptr<float>();
   int8_t* dst = values.data_ptr<int8_t>();
   c10::Half* s = scales.data_ptr<c10::Half>();

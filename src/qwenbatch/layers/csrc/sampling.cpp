@@ -24,6 +24,7 @@
 #include "ops.h"
 #include "row_search.h"
 
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -439,10 +440,10 @@ void sample_rows(const T* logits, int64_t rows, int64_t vocab, const Settings& s
 namespace {
 
 // A list of ids cut into rows: `starts` int64 [rows + 1] from 0 to the ids' count, not decreasing; each id < vocab.
-void check_rows_of_ids(const torch::Tensor& starts, const torch::Tensor& ids, int64_t rows, int64_t vocab,
+void check_rows_of_ids(const at::Tensor& starts, const at::Tensor& ids, int64_t rows, int64_t vocab,
                        const char* name) {
-  TORCH_CHECK(starts.dim() == 1 && starts.size(0) == rows + 1 && starts.scalar_type() == torch::kInt64 &&
-                  starts.is_contiguous() && ids.dim() == 1 && ids.scalar_type() == torch::kInt64 && ids.is_contiguous(),
+  TORCH_CHECK(starts.dim() == 1 && starts.size(0) == rows + 1 && starts.scalar_type() == at::kLong &&
+                  starts.is_contiguous() && ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
               "sample_tokens: ", name, " must be contiguous int64 starts [rows + 1] and ids");
   const int64_t* s = starts.data_ptr<int64_t>();
   TORCH_CHECK(s[0] == 0 && s[rows] == ids.size(0), "sample_tokens: ", name, " must start at 0, end at the count");
@@ -458,25 +459,25 @@ void check_rows_of_ids(const torch::Tensor& starts, const torch::Tensor& ids, in
 // prompt_starts / prompt_ids, output_starts / output_ids and suppressed_starts / suppressed_ids (int64): the
 // penalties' ids, cut into rows as RowPenalties says. Returns each row's token (int64 [R]) and whether the row held
 // an inf or a NaN (bool [R]).
-std::tuple<torch::Tensor, torch::Tensor> sample_tokens(
-    const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
-    const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& uniform,
-    const torch::Tensor& repetition, const torch::Tensor& presence, const torch::Tensor& frequency,
-    const torch::Tensor& prompt_starts, const torch::Tensor& prompt_ids, const torch::Tensor& output_starts,
-    const torch::Tensor& output_ids, const torch::Tensor& suppressed_starts, const torch::Tensor& suppressed_ids) {
+std::tuple<at::Tensor, at::Tensor> sample_tokens(
+    const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+    const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& uniform,
+    const at::Tensor& repetition, const at::Tensor& presence, const at::Tensor& frequency,
+    const at::Tensor& prompt_starts, const at::Tensor& prompt_ids, const at::Tensor& output_starts,
+    const at::Tensor& output_ids, const at::Tensor& suppressed_starts, const at::Tensor& suppressed_ids) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "sample_tokens: logits must be [rows, vocab]");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  const auto check = [&](const torch::Tensor& t, torch::ScalarType type, const char* name) {
+  const auto check = [&](const at::Tensor& t, at::ScalarType type, const char* name) {
     TORCH_CHECK(t.dim() == 1 && t.size(0) == rows && t.scalar_type() == type, "sample_tokens: ", name,
                 " must be one value a row of type ", type);
     return t.contiguous();
   };
-  const torch::Tensor x = logits.contiguous(), t = check(temperature, torch::kFloat32, "temperature"),
-                      k = check(top_k, torch::kInt64, "top_k"), tp = check(top_p, torch::kFloat32, "top_p"),
-                      mp = check(min_p, torch::kFloat32, "min_p"), u = check(uniform, torch::kFloat64, "uniform"),
-                      rp = check(repetition, torch::kFloat32, "repetition"),
-                      pp = check(presence, torch::kFloat64, "presence"),
-                      fp = check(frequency, torch::kFloat64, "frequency");
+  const at::Tensor x = logits.contiguous(), t = check(temperature, at::kFloat, "temperature"),
+                      k = check(top_k, at::kLong, "top_k"), tp = check(top_p, at::kFloat, "top_p"),
+                      mp = check(min_p, at::kFloat, "min_p"), u = check(uniform, at::kDouble, "uniform"),
+                      rp = check(repetition, at::kFloat, "repetition"),
+                      pp = check(presence, at::kDouble, "presence"),
+                      fp = check(frequency, at::kDouble, "frequency");
   check_rows_of_ids(prompt_starts, prompt_ids, rows, vocab, "prompt_ids");
   check_rows_of_ids(output_starts, output_ids, rows, vocab, "output_ids");
   check_rows_of_ids(suppressed_starts, suppressed_ids, rows, vocab, "suppressed_ids");
@@ -494,7 +495,7 @@ std::tuple<torch::Tensor, torch::Tensor> sample_tokens(
                           output_ids.data_ptr<int64_t>(),
                           suppressed_starts.data_ptr<int64_t>(),
                           suppressed_ids.data_ptr<int64_t>()};
-  torch::Tensor tokens = torch::empty({rows}, torch::kInt64), non_finite = torch::empty({rows}, torch::kBool);
+  at::Tensor tokens = at::empty({rows}, at::kLong), non_finite = at::empty({rows}, at::kBool);
   QB_DISPATCH(x.scalar_type(), "sample_tokens",
               sample_rows(x.data_ptr<scalar_t>(), rows, vocab, settings, tokens.data_ptr<int64_t>(),
                           non_finite.data_ptr<bool>()));
