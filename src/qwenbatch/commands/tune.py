@@ -29,8 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="sweep batch settings on a workload and pick one",
         description="Analyse a workload (prompt lengths, truncation, static-batch padding), measure every batch "
         "setting on it (each in a fresh process: throughput, latency, TTFT, peak memory, KV usage, preemptions), "
-        "pick one by stated rules (memory limit with a 10%% margin, latency SLO, the knee: the smallest setting past "
-        "which doubling adds under 10%% throughput) and write report.json, report.md, report.png and qwenbatch.toml "
+        "pick one by stated rules (memory limit with a 10%% margin, latency SLO, the knee: the smallest setting to "
+        "which the fastest adds at most 10%% throughput) and write report.json, report.md, report.png and qwenbatch.toml "
         "(which serve --config and run-batch --config read).",
     )
     src = p.add_mutually_exclusive_group()
