@@ -431,12 +431,14 @@ enum class Layout {
   kU5Bytes,  // 5-bit tiles widened into a buffer, one u5 byte per weight, in the 8-bit layout's order
 };
 
-// 32 bits to 32 bytes: byte b is 0xFF where bit b is set.
-inline __m256i bits_to_bytes(uint32_t bits) {
+// The 32 bits at p to 32 bytes: byte b is 0xFF where bit b is set. The bits are broadcast straight from memory
+// (load4, a load with no vector ALU op); read as one 16-byte copy of a chunk pair's bits, they went through general
+// registers, a vmovd and a vpbroadcastd each: a fifth of the 5-bit one-row kernel's vector ops.
+inline __m256i bits_to_bytes(const uint8_t* p) {
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
   const __m256i select = _mm256_set1_epi64x(0x8040201008040201LL);
-  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread);
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(load4(reinterpret_cast<const int8_t*>(p))), spread);
   return _mm256_cmpeq_epi8(_mm256_and_si256(v, select), select);
 }
 
@@ -446,13 +448,12 @@ template <Layout L>
 QB_ALWAYS_INLINE void load_chunk_pair(const uint8_t* tile, int64_t c0, __m256i (&w)[2][2]) {
   if constexpr (L == Layout::kQ5) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
-    uint32_t fifth[2][2];
-    std::memcpy(fifth, q5_fifth(tile, c0), 16);  // the two chunks' 8 bytes are adjacent
+    const uint8_t* fifth = q5_fifth(tile, c0);  // chunk c's rows 8h .. 8h + 7 at fifth + 8c + 4h: adjacent chunks
     for (int h = 0; h < 2; ++h) {
       const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q5_nibbles(tile, c0) + 32 * h));
       const __m256i lo = _mm256_and_si256(nib, low4), hi = _mm256_and_si256(_mm256_srli_epi16(nib, 4), low4);
-      w[0][h] = _mm256_or_si256(lo, _mm256_and_si256(bits_to_bytes(fifth[0][h]), sixteen));
-      w[1][h] = _mm256_or_si256(hi, _mm256_and_si256(bits_to_bytes(fifth[1][h]), sixteen));
+      w[0][h] = _mm256_or_si256(lo, _mm256_and_si256(bits_to_bytes(fifth + 4 * h), sixteen));
+      w[1][h] = _mm256_or_si256(hi, _mm256_and_si256(bits_to_bytes(fifth + 8 + 4 * h), sixteen));
     }
   } else {
     for (int c = 0; c < 2; ++c)
