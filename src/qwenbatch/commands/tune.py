@@ -30,8 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Analyse a workload (prompt lengths, truncation, static-batch padding), measure every batch "
         "setting on it (each in a fresh process: throughput, latency, TTFT, peak memory, KV usage, preemptions), "
         "pick one by stated rules (memory limit with a 10%% margin, latency SLO, the knee: the smallest setting to "
-        "which the fastest adds at most 10%% throughput) and write report.json, report.md, report.png and qwenbatch.toml "
-        "(which serve --config and run-batch --config read).",
+        "which the fastest adds at most 10%% throughput) and write report.json, report.md, report.png and "
+        "qwenbatch.toml (which serve --config and run-batch --config read).",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--input", type=Path, help="a run-batch input file (chat / completions lines)")
