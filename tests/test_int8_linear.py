@@ -67,6 +67,17 @@ def test_kernel_reads_and_writes_half_precision_as_float32_rounded(target, dtype
     assert torch.equal(y, want)
 
 
+@pytest.mark.parametrize("target", kernel_targets("native", "avx2", "portable"))
+@pytest.mark.parametrize("bits", [8, 5])
+def test_kernel_of_no_rows_returns_no_rows(target, bits):
+    # Decode steps' row blocks stream their tiles: a call of no rows must not start one (it read and wrote rows that
+    # do not exist).
+    values, scales = (quantize_weight_q5 if bits == 5 else quantize_weight)(torch.randn(48, 96))
+    packed, packed_scales = (pack_q5 if bits == 5 else pack)(values, scales)
+    y = kernels(target).int8_linear(torch.empty(0, 96), packed, packed_scales, torch.randn(48), 48, bits)
+    assert y.shape == (0, 48) and y.dtype == torch.float32
+
+
 def test_native_kernel_is_what_the_cpu_supports():
     with open("/proc/cpuinfo") as f:
         flags = next(line for line in f if line.startswith("flags")).split()

@@ -600,13 +600,15 @@ inline void tiles_kernel(const QuantizedX& xq, Rows rows, int64_t K, const uint8
     const uint8_t* wt = w + (t - t0) * tile_bytes;
     const c10::Half* st = s + t * G * kTileRows;
     int64_t m = rows.begin;
-    if (L != Layout::kU5Bytes && rows.count() <= kStreamRows) {  // decode steps: the first block streams the tile
-      if (rows.count() == 1) {
-        tile_kernel<L, 1, true>(xq, m, K, wt, st, out, t * kTileRows);
-        continue;
+    if constexpr (L != Layout::kU5Bytes) {  // widened tiles are in cache already
+      if (rows.count() <= kStreamRows) {     // decode steps: the first row block streams the tile from memory
+        if (rows.count() == 1) {
+          tile_kernel<L, 1, true>(xq, m, K, wt, st, out, t * kTileRows);
+          continue;
+        }
+        tile_kernel<L, 2, true>(xq, m, K, wt, st, out, t * kTileRows);
+        m += 2;
       }
-      tile_kernel<L, 2, true>(xq, m, K, wt, st, out, t * kTileRows);
-      m += 2;
     }
     for (; m + 2 <= rows.end; m += 2) tile_kernel<L, 2>(xq, m, K, wt, st, out, t * kTileRows);
     for (; m < rows.end; ++m) tile_kernel<L, 1>(xq, m, K, wt, st, out, t * kTileRows);
@@ -708,7 +710,7 @@ class TaskClaims {
 // scales: float16 [N * K / 32]; bias: [N] or None. Returns [M, N] in x's dtype; with silu_and_mul, [M, N / 2]:
 // SiLU(gate) * up of a gated MLP packed with its gate and up rows interleaved 8 by 8.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
-                          const c10::optional<at::Tensor>& bias, int64_t N, int64_t bits, bool silu_and_mul) {
+                       const c10::optional<at::Tensor>& bias, int64_t N, int64_t bits, bool silu_and_mul) {
   TORCH_CHECK(x.dim() == 2, "int8_linear: x must be 2-D");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kGroup == 0 && N % kTileRows == 0, "int8_linear: K must divide by 32 and N by 16");
@@ -735,6 +737,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   }
   const int64_t width = silu_and_mul ? N / 2 : N;
   at::Tensor y = at::empty({M, width}, x.options());
+  if (M == 0) return y;  // the kernels assume rows: a streaming row block of none would read and write past them
   const Output out{y.data_ptr(), x.scalar_type(), width, bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
                    silu_and_mul};
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -743,8 +746,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const Int8Tasks plan = int8_tasks(M, K, tiles, threads);
   TaskClaims claim(plan.count(), threads);
   at::parallel_for(0, std::min(threads, plan.count()), 1, [&](int64_t, int64_t) {
-    // Not zeroed: it is written before it is read, and decode steps' calls never touch it (0.5% of a step in memset).
-    const auto scratch = std::make_unique_for_overwrite<uint8_t[]>(bits == 5 ? kWidenTiles * kTileRows * K : 0);
+    // Not zeroed (new[], not a vector): widening writes it before any read, and one-row calls never touch it, whose
+    // memset was 0.5% of a decode step.
+    const std::unique_ptr<uint8_t[]> scratch(new uint8_t[bits == 5 ? kWidenTiles * kTileRows * K : 0]);
     for (;;) {
       const auto [begin, end] = claim.next();
       if (begin == end) break;
