@@ -100,6 +100,13 @@ def test_a_plateau_below_the_fastest_does_not_stop_the_knee_short():
     assert r.runner_up.max_num_seqs == 16
 
 
+def test_a_faster_setting_over_the_memory_limit_does_not_move_the_knee_below_one_within_it():
+    # Without 16 (over the limit) the knee among the rest would be 4 (8 adds under 10% to it); 8 fits and stays.
+    curve = [point(4, 31, mem=1000), point(8, 33, mem=1100), point(16, 35, mem=5000)]
+    r = recommend(curve, Rules(memory_limit_mib=2000))
+    assert (r.pick.max_num_seqs, r.decided_by) == (8, "knee")
+
+
 def test_max_throughput_when_throughput_never_flattens():
     rising = [point(1, 10), point(2, 20), point(4, 40)]
     r = recommend(rising, Rules())

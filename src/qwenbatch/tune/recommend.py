@@ -86,8 +86,11 @@ def recommend(measurements: list[Measurement], rules: Rules) -> Recommendation:
     allowed = [m for m in ok if fits_memory(m, rules) and meets_slo(m, rules)]
     if not allowed:
         raise NoSettingFits(_why_none(ok, rules))
-    free_pick, _ = knee(ok, rules.knee_gain)
-    pick, flattened = knee(allowed, rules.knee_gain)
+    free_pick, flattened = knee(ok, rules.knee_gain)
+    # The constraints decide only when the free pick breaks one: the knee among the allowed settings alone can lie
+    # below it (the fastest allowed setting is slower), though the free pick itself is allowed.
+    allowed_free = fits_memory(free_pick, rules) and meets_slo(free_pick, rules)
+    pick = free_pick if allowed_free else knee(allowed, rules.knee_gain)[0]
     if pick is free_pick:
         decided_by = "knee" if flattened else "max-throughput"
         reason = (
