@@ -1,11 +1,11 @@
 """How fast a decode step's int8 linears stream their weights at one row, layer kind by layer kind, beside the
 machine's read bandwidth (``torch.sum`` of 1 GiB, as `bench` and llama_cpp_compare.py sample it), in one process:
 the default model's own linears (``--quantization int8``), each kind's 24 layers in turn (from memory, as a step
-reads them) and one of them again and again (from cache: what the kernel's arithmetic allows; not for one larger
-than CACHED_MB). A kind far below
-the read bandwidth from memory and not much faster from cache is bound by its arithmetic; one fast from cache
-but slow from memory waits on its loads. Rounds alternate with bandwidth samples; the table gives medians.
-Never run by CI.
+reads them; a kind whose layers together fit in the last-level cache is read partly from it after the first of three
+passes) and one of them again and again (from cache: what the kernel's arithmetic allows; not for one larger than
+CACHED_MB). A kind far below the read bandwidth from memory and not much faster from cache is bound by its
+arithmetic; one fast from cache but slow from memory waits on its loads. Rounds alternate with bandwidth samples;
+the table gives medians. Never run by CI.
 
     .venv/bin/python benchmarks/decode_weight_stream.py --rounds 5
 """

@@ -104,7 +104,7 @@ class EngineConfig:
     quantization: str = "none"
     # Our fused CPU kernels (layers/csrc) for norms, SiLU * up, RoPE, paged decode attention and prefill attention
     # (bf16 with AVX512-BF16, float32 with AVX2; where timed faster than SDPA's), and the allocator that caches large
-    # step buffers. auto: on in every dtype where a C++ compiler is found (built once, ~40 s on 2 cores; in float32
+    # step buffers. auto: on in every dtype where a C++ compiler is found (built once, ~1 min on 2 cores; in float32
     # they change only float32 rounding, and greedy parity with transformers holds); always on with int8.
     cpu_kernels: str = "auto"
     # CPU: torch.compile (inductor, frozen weights) of the model, attention opaque, instead of the fused CPU

@@ -71,7 +71,7 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
         default=None,
         help="CPU: fused norms, SiLU*up, RoPE and paged decode attention (prefill attention too, where "
         "timed faster than PyTorch's) and a caching allocator for large step buffers, in our C++ kernels (built "
-        "once, ~40 s; auto: on where a C++ compiler exists)",
+        "once, ~1 min; auto: on where a C++ compiler exists)",
     )
     g.add_argument(
         "--compile",

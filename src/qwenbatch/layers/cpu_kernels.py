@@ -1,7 +1,7 @@
 """Our CPU kernels (``csrc/``): the int8 linear and the fused small-step ops, compiled on first use.
 
 One extension module, built by torch's C++ extension builder with ``-march=native`` for the CPU it runs
-on (~40 s once on 2 cores, then loaded from torch's extension cache, ~/.cache/torch_extensions); it needs a C++
+on (~1 min once on 2 cores, then loaded from torch's extension cache, ~/.cache/torch_extensions); it needs a C++
 compiler. The module name carries a hash of the CPU's flags and of the sources, so a cache shared by
 machines of different kinds never loads a binary built for another, nor an old build of changed sources.
 A build killed half-way (a Ctrl-C during a first start) is taken up again by the next start.

@@ -247,7 +247,7 @@ namespace {
 
 // rms_norm and add_rms_norm: residual is null or a tensor the caller checked against x.
 at::Tensor normalize(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps,
-                        const char* name) {
+                     const char* name) {
   const int64_t n = x.size(-1);
   TORCH_CHECK(weight.numel() == n && weight.scalar_type() == x.scalar_type(), name,
               ": weight must be [n] in x's dtype");

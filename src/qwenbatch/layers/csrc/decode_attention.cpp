@@ -605,7 +605,7 @@ std::string decode_attention_isa() {
 // q: [D, heads, head_dim]; kv_cache: [2, blocks, block_size, kv_heads, head_dim]; block_tables: int32 [D, max_blocks];
 // lens: int32 [D] (context lengths, the new token's K/V already stored). Returns [D, heads, head_dim].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
-                                     const at::Tensor& block_tables, const at::Tensor& lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2 && lens.dim() == 1,
               "paged_decode_attention: bad ranks");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && kv_cache.is_contiguous(),

@@ -57,7 +57,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   const int64_t q_size = layer.heads * hd, kv_size = layer.kv_heads * hd;
   at::Tensor stream = residual.has_value() ? *residual : x;
   const at::Tensor normed = residual.has_value() ? add_rms_norm(x, stream, layer.input_norm, layer.eps)
-                                                    : rms_norm(x, layer.input_norm, layer.eps);
+                                                 : rms_norm(x, layer.input_norm, layer.eps);
   const at::Tensor qkv = layer.qkv(normed);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({D, layer.heads, hd});
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({D, layer.kv_heads, hd});

@@ -54,7 +54,7 @@ inline void dequantize_chunk(const uint8_t* u, const c10::Half* s, c10::BFloat16
 // for a dense bf16 matmul (oneDNN, in AMX tiles where the CPU has them) at many rows of x. With gate_up_halves,
 // w is a gated MLP's gate_up, its rows interleaved 8 by 8, and the columns come out in [gate; up] order.
 at::Tensor int8_dequantize(const at::Tensor& w, const at::Tensor& scales, int64_t N, int64_t K, int64_t bits,
-                              bool gate_up_halves) {
+                           bool gate_up_halves) {
   TORCH_CHECK(K % kGroup == 0 && N % kTileRows == 0, "int8_dequantize: K must divide by 32 and N by 16");
   TORCH_CHECK(bits == 8 || bits == 5, "int8_dequantize: bits must be 8 or 5");
   const int64_t tile_bytes = kTileRows * K * bits / 8, G = K / kGroup;

@@ -77,8 +77,8 @@ void row_logprobs(const T* x, int64_t vocab, int64_t target, int64_t k, float& t
 // log-probability (float32 [R]) and rank (int64 [R]: 1 + how many logits of its row are larger), and each row's k
 // largest logits as log-probabilities (float32 [R, k], best first, ties by the lower id) with their ids (int64).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs(const at::Tensor& logits,
-                                                                                      const at::Tensor& targets,
-                                                                                      int64_t k) {
+                                                                          const at::Tensor& targets,
+                                                                          int64_t k) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "token_logprobs: logits must be [rows, vocab]");
   TORCH_CHECK(k >= 0, "token_logprobs: k must be >= 0");
   const at::Tensor x = logits.contiguous(), wanted = targets.to(at::kLong).contiguous();
@@ -88,7 +88,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs(const 
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(target[r] >= 0 && target[r] < vocab, "token_logprobs: a target lies outside the vocabulary");
   at::Tensor chosen = at::empty({rows}, at::kFloat), ranks = at::empty({rows}, at::kLong),
-                values = at::empty({rows, k}, at::kFloat), ids = at::empty({rows, k}, at::kLong);
+             values = at::empty({rows, k}, at::kFloat), ids = at::empty({rows, k}, at::kLong);
   float* chosen_out = chosen.data_ptr<float>();
   int64_t* ranks_out = ranks.data_ptr<int64_t>();
   float* values_out = values.data_ptr<float>();

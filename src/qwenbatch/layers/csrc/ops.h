@@ -9,10 +9,10 @@
 #include <tuple>
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
-                          const c10::optional<at::Tensor>& bias, int64_t N, int64_t bits, bool silu_and_mul);
+                       const c10::optional<at::Tensor>& bias, int64_t N, int64_t bits, bool silu_and_mul);
 std::string isa();
 at::Tensor int8_dequantize(const at::Tensor& w, const at::Tensor& scales, int64_t N, int64_t K, int64_t bits,
-                              bool gate_up_halves);
+                           bool gate_up_halves);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_groups(const at::Tensor& weight);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // residual += x in place (rounded to their dtype); returns RMSNorm(residual) * weight.
@@ -20,14 +20,14 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
-                                     const at::Tensor& block_tables, const at::Tensor& lens, double scale);
+                                  const at::Tensor& block_tables, const at::Tensor& lens, double scale);
 // The bf16 decode kernel's scores: "amx" (tiles), "avx512-bf16" (vdpbf16ps), or "float32" (only the float32 kernel).
 std::string decode_attention_isa();
 // What prefill_attention takes its two products with in `dtype` ("bfloat16" or "float32"): "amx" (tiles),
 // "avx512-bf16" (vdpbf16ps), "avx2-fma", or "" where it was not built for that dtype.
 std::string prefill_attention_isa(const std::string& dtype);
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                                const c10::optional<at::Tensor>& slots, const c10::optional<at::Tensor>& out);
+                             const c10::optional<at::Tensor>& slots, const c10::optional<at::Tensor>& out);
 std::tuple<at::Tensor, at::Tensor> greedy_tokens(const at::Tensor& logits);
 std::tuple<at::Tensor, at::Tensor> mask_to_allowed(const at::Tensor& logits, const at::Tensor& bits);
 // Each row's token drawn at random after temperature, top-k, top-p and min-p, or its argmax, after its penalties and
@@ -40,8 +40,8 @@ std::tuple<at::Tensor, at::Tensor> sample_tokens(
     const at::Tensor& output_ids, const at::Tensor& suppressed_starts, const at::Tensor& suppressed_ids);
 // Each row's log-sum-exp and its k best logits as log-probabilities, with their ids (logprobs.cpp).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs(const at::Tensor& logits,
-                                                                                      const at::Tensor& targets,
-                                                                                      int64_t k);
+                                                                          const at::Tensor& targets,
+                                                                          int64_t k);
 
 // A linear layer's weights in int8_linear's packed format.
 struct Int8Weight {

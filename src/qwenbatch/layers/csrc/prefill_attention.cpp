@@ -384,7 +384,7 @@ qb::PrefillProblem<T> problem_of(const at::Tensor& q, const at::Tensor& k, const
 // keys 0 ..= i + Lk - Lq (the chunk's queries are the context's last ones). Writes into `out` ([Lq, heads, d],
 // contiguous, q's dtype) where given; returns it.
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                                const c10::optional<at::Tensor>& slots, const c10::optional<at::Tensor>& out) {
+                             const c10::optional<at::Tensor>& slots, const c10::optional<at::Tensor>& out) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: [tokens, heads, head_dim] tensors");
   TORCH_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu(), "prefill_attention: CPU tensors only");
   TORCH_CHECK(scale > 0, "prefill_attention: the scale must be positive (the bf16 kernel takes its running maximum unscaled)");
@@ -404,12 +404,12 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   if (slots.has_value()) {
     slots_c = slots->contiguous();
     TORCH_CHECK(slots_c.scalar_type() == at::kLong && slots_c.dim() == 1, "prefill_attention: int64 [Lk] slots");
-    const int64_t* at = slots_c.data_ptr<int64_t>();
-    TORCH_CHECK(std::all_of(at, at + k_len, [&](int64_t slot) { return slot >= 0 && slot < k.size(0); }),
+    const int64_t* slot_ids = slots_c.data_ptr<int64_t>();
+    TORCH_CHECK(std::all_of(slot_ids, slot_ids + k_len, [&](int64_t slot) { return slot >= 0 && slot < k.size(0); }),
                 "prefill_attention: a slot outside the cache");
   }
   const at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous(), kc = k.stride(2) == 1 ? k : k.contiguous(),
-                      vc = v.stride(2) == 1 ? v : v.contiguous();
+                   vc = v.stride(2) == 1 ? v : v.contiguous();
   at::Tensor result = out.has_value() ? *out : at::empty({q_len, heads, d}, q.options());
   TORCH_CHECK(result.sizes() == q.sizes() && result.scalar_type() == dtype && result.is_contiguous(),
               "prefill_attention: out must be a contiguous tensor of q's shape and dtype");

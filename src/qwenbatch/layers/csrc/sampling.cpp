@@ -473,11 +473,11 @@ std::tuple<at::Tensor, at::Tensor> sample_tokens(
     return t.contiguous();
   };
   const at::Tensor x = logits.contiguous(), t = check(temperature, at::kFloat, "temperature"),
-                      k = check(top_k, at::kLong, "top_k"), tp = check(top_p, at::kFloat, "top_p"),
-                      mp = check(min_p, at::kFloat, "min_p"), u = check(uniform, at::kDouble, "uniform"),
-                      rp = check(repetition, at::kFloat, "repetition"),
-                      pp = check(presence, at::kDouble, "presence"),
-                      fp = check(frequency, at::kDouble, "frequency");
+                   k = check(top_k, at::kLong, "top_k"), tp = check(top_p, at::kFloat, "top_p"),
+                   mp = check(min_p, at::kFloat, "min_p"), u = check(uniform, at::kDouble, "uniform"),
+                   rp = check(repetition, at::kFloat, "repetition"),
+                   pp = check(presence, at::kDouble, "presence"),
+                   fp = check(frequency, at::kDouble, "frequency");
   check_rows_of_ids(prompt_starts, prompt_ids, rows, vocab, "prompt_ids");
   check_rows_of_ids(output_starts, output_ids, rows, vocab, "output_ids");
   check_rows_of_ids(suppressed_starts, suppressed_ids, rows, vocab, "suppressed_ids");
