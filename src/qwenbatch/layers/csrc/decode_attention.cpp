@@ -75,15 +75,18 @@ struct Problem {
   // rows of a head kBlocksAhead blocks before it is used. (Until GCC was found dropping __builtin_prefetch, these
   // were never issued: 16 sequences x 450 positions took 500 us a layer from memory, 367 with them, 204 from cache.)
   void prefetch_block(int64_t s, int64_t b, int64_t h) const {
-    const int64_t at = head_offset(s, b, h), row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
-    const char* k = reinterpret_cast<const char*>(k_cache + at);
-    const char* v = reinterpret_cast<const char*>(v_cache + at);
-    const int64_t stride = token_stride() * static_cast<int64_t>(sizeof(T));
-    for (int64_t p = 0; p < block_size; ++p)
-      for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-        qb::prefetch_l1(k + p * stride + byte);
-        qb::prefetch_l1(v + p * stride + byte);
-      }
+    const int64_t at = head_offset(s, b, h);
+    for (int64_t p = 0; p < block_size; ++p) prefetch_row(at, p);
+  }
+  // The same for one position p of the block whose head row starts at `at` (head_offset).
+  void prefetch_row(int64_t at, int64_t p) const {
+    const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
+    const char* k = reinterpret_cast<const char*>(k_cache + at + p * token_stride());
+    const char* v = reinterpret_cast<const char*>(v_cache + at + p * token_stride());
+    for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+      qb::prefetch_l1(k + byte);
+      qb::prefetch_l1(v + byte);
+    }
   }
 };
 
@@ -152,10 +155,16 @@ class F32Worker {
     float *kf = kf_.data(), *vf = vf_.data(), *scores = scores_.data();
     for (int64_t b = b_begin; b < b_end; ++b) {
       const int64_t p0 = b * block_size, n = std::min(block_size, len - p0);
-      for (int64_t ahead = b == b_begin ? 1 : kBlocksAhead; ahead <= kBlocksAhead; ++ahead)
+      for (int64_t ahead = 1; b == b_begin && ahead < kBlocksAhead; ++ahead)
         if (b + ahead < b_end) pr.prefetch_block(s, b + ahead, h);
+      // The block kBlocksAhead on is asked for a row at a time as this one's rows are converted. Asked for whole
+      // (128 prefetches at once, more than a core's miss buffers hold), the conversion's loads still waited on
+      // memory for 36% of the kernel's time (64 sequences x 320 positions, perf); row by row, the kernel ran
+      // 1.04-1.16x from memory (benchmarks/decode_attention_micro.py, AVX2 kind).
+      const int64_t ahead_at = b + kBlocksAhead < b_end ? pr.head_offset(s, b + kBlocksAhead, h) : -1;
       const int64_t base = pr.head_offset(s, b, h);
       for (int64_t p = 0; p < n; ++p) {
+        if (ahead_at >= 0) pr.prefetch_row(ahead_at, p);
         const T* kp = pr.k_cache + base + p * pr.token_stride();
         const T* vp = pr.v_cache + base + p * pr.token_stride();
         float* kf_p = kf + p * head_dim;
