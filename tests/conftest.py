@@ -8,17 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from qwenbatch.cpuinfo import cpu_flags
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 # Without a GPU, Triton kernels (the CUDA path's attention) run in Triton's interpreter on CPU tensors;
 # it must be chosen before triton is first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def cpu_flags() -> set[str]:
-    """This CPU's flags, as /proc/cpuinfo lists them."""
-    with open("/proc/cpuinfo") as f:
-        return set(next((line for line in f if line.startswith("flags")), "").split())
 
 
 def kernel_targets(*targets: str) -> list[str]:

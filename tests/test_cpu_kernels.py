@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cpu_flags, kernel_targets
+from conftest import kernel_targets
+from qwenbatch.cpuinfo import cpu_flags
 from qwenbatch.layers.activation import SiluAndMul
 from qwenbatch.layers.attention import KernelAttentionMetadata, StepLayout, TorchAttentionMetadata
 from qwenbatch.layers.cpu_kernels import KernelRMSNorm, KernelSiluAndMul, kernels, use_cpu_kernels
@@ -285,7 +286,7 @@ def test_the_exp_loops_are_built_as_vector_code(target, source):
     assert re.search(r"\b(vroundps|vrndscaleps)\b", code.stdout), f"{source}.o ({target}) has no vector rounding"
 
 
-@pytest.mark.skipif("avx512f" not in Path("/proc/cpuinfo").read_text().split(), reason="needs an AVX-512 CPU")
+@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="needs an AVX-512 CPU")
 @pytest.mark.parametrize("source", ["cpu_ops", "decode_attention", "int8_linear"])
 def test_the_exp_loops_are_512_bits_wide_where_the_cpu_has_avx512(source):
     """GCC's tuning for Intel's AVX-512 cores prefers 256-bit vectors: on the AMX kind every one of these loops ran

@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import cpu_flags, kernel_targets
+from conftest import kernel_targets
 from qwenbatch import LLM, SamplingParams
+from qwenbatch.cpuinfo import cpu_flags
 from qwenbatch.layers import int8_large_m
 from qwenbatch.layers.cpu_kernels import kernels
 from qwenbatch.layers.int8_large_m import NEVER_DENSE, choose_int8_large_m, first_mlp_linears

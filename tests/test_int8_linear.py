@@ -9,6 +9,7 @@ from torch import nn
 from conftest import kernel_targets
 from qwenbatch import LLM, SamplingParams
 from qwenbatch.config import EngineConfig
+from qwenbatch.cpuinfo import cpu_flags
 from qwenbatch.layers.activation import SiluAndMul
 from qwenbatch.layers.cpu_kernels import kernels
 from qwenbatch.layers.int8_linear import (
@@ -79,9 +80,8 @@ def test_kernel_of_no_rows_returns_no_rows(target, bits):
 
 
 def test_native_kernel_is_what_the_cpu_supports():
-    with open("/proc/cpuinfo") as f:
-        flags = next(line for line in f if line.startswith("flags")).split()
-    native = "avx512-vnni" if {"avx512f", "avx512_vnni"} <= set(flags) else "avx2" if "avx2" in flags else "portable"
+    flags = cpu_flags()
+    native = "avx512-vnni" if {"avx512f", "avx512_vnni"} <= flags else "avx2" if "avx2" in flags else "portable"
     assert kernels("native").isa() == native
     for target in kernel_targets("avx2", "portable"):
         assert kernels(target).isa() == target

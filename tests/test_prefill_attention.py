@@ -7,15 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qwenbatch.cpuinfo import cpu_flags
 from qwenbatch.layers.attention import (
     KernelAttentionMetadata,
     StepLayout,
     TorchAttentionMetadata,
     sdpa_chunk_attention,
 )
-from qwenbatch.layers.cpu_kernels import _cpu_flags, kernels
+from qwenbatch.layers.cpu_kernels import kernels
 
-_FLAGS = set(_cpu_flags().split())
+_FLAGS = cpu_flags()
 _HAS_AMX = {"amx_tile", "amx_bf16"} <= _FLAGS
 # As built for this CPU (both products on AMX tiles where it has them) and, on an AMX CPU, without AMX: the
 # AVX512-BF16 kinds' vdpbf16ps products.

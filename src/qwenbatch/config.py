@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qwenbatch.cpuinfo import cpu_flags
 from qwenbatch.sampling_params import KNOBS
 from qwenbatch.settings import FLOAT, Form, parse_bytes, read_as
 
@@ -33,12 +34,7 @@ def cpu_has_native_bf16() -> bool:
     Without it (an AVX2-only CPU) PyTorch's bfloat16 matmuls run at ~18 GFLOP/s against ~120 in
     float32 on the same machine, so float32 is the fast dtype there.
     """
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
 
 
 def has_cxx_compiler() -> bool:

@@ -6,10 +6,11 @@ import platform
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import torch
+
+from qwenbatch.cpuinfo import processor_fields
 
 # The extensions that pick our CPU kernels.
 _KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
@@ -21,16 +22,7 @@ def cpu_kind(cpuinfo: str | None = None) -> dict:
     since the machine kind varies from session to session. In VMs the name may say only "AMD EPYC": the family and
     model number tell Zen 3 (25, 1) from Zen 4 (25, 17) and Zen 5 (26, 2). Fields a CPU does not report (an ARM
     one has no family) are left out; the name is then "unknown"."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        key, colon, value = line.partition(":")
-        if colon:
-            fields.setdefault(key.strip(), value.strip())
+    fields = processor_fields(cpuinfo)
     flags = fields.get("flags", "").split()
     kind: dict = {"model": fields.get("model name", "unknown")}
     for field, name in (("cpu family", "family"), ("model", "model_number")):

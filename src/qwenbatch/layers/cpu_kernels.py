@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from qwenbatch.cpuinfo import cpu_flags
 from qwenbatch.layers.activation import SiluAndMul
 from qwenbatch.layers.norm import RMSNorm
 from qwenbatch.layers.rotary import Rope, RotaryEmbedding
@@ -64,14 +65,6 @@ _TARGETS = {
 }
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
 @contextlib.contextmanager
 def _build_lock(build_dir: Path) -> Iterator[None]:
     """Held while torch builds or loads the module in ``build_dir``. torch's own lock there is a file, which a
@@ -101,7 +94,7 @@ def build(csrc: Path, target: str = "native"):
     # The sources and flags are in the key too: torch rebuilds when a .cpp changes, but not when only a header does.
     sources = b"".join(path.read_bytes() for path in sorted(csrc.iterdir()))
     flags = ["-O3", "-fopenmp", _CODEGEN, _VECTOR_WIDTH, *_TARGETS[target].split()]
-    machine = _cpu_flags() if "native" in _TARGETS[target] else ""
+    machine = " ".join(sorted(cpu_flags())) if "native" in _TARGETS[target] else ""
     key = hashlib.sha256(" ".join([machine, *flags]).encode() + sources).hexdigest()[:12]
     name = f"qwenbatch_cpu_kernels_{key}"
     build_dir = Path(get_default_build_root()) / name
