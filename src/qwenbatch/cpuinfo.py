@@ -1,5 +1,5 @@
-"""What /proc/cpuinfo says about this CPU: the one reader of it, for the dtype and kernel choices and the machine
-kind recorded with every benchmark figure."""
+"""What /proc/cpuinfo says about this CPU: the package's one reader of it, for the dtype and kernel choices and the
+machine kind recorded with every benchmark figure."""
 
 from __future__ import annotations
 

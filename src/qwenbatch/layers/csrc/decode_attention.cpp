@@ -37,7 +37,8 @@ using qb::vec_exp;
 // product needs a horizontal sum; scores are taken this many positions side by side (independent FMA chains).
 constexpr int64_t kLanes = 8, kPositions = 8;
 // How many blocks ahead of the one in use a task prefetches: from memory, 16 sequences x 450 positions took 367 us
-// a layer one block ahead, ~290 two ahead, 350-410 three or five ahead (benchmarks/decode_attention_micro.py, Zen 5).
+// a layer one block ahead, ~290 two ahead, 350-410 three or five ahead (benchmarks/decode_attention_micro.py, Zen 5,
+// whole blocks asked for at once). Asked for a row at a time (F32Worker), three ahead ran as two (AVX2 kind).
 constexpr int64_t kBlocksAhead = 2;
 
 // Where the (sequence, KV head) pairs are fewer than the threads, each sequence's context is cut into this many
@@ -71,9 +72,10 @@ struct Problem {
   int64_t head_offset(int64_t s, int64_t b, int64_t h) const {
     return tables[s * max_blocks + b] * block_size * token_stride() + h * head_dim;
   }
-  // The blocks are scattered, so the hardware prefetchers lose the stream at each one: ask for a block's K and V
-  // rows of a head kBlocksAhead blocks before it is used. (Until GCC was found dropping __builtin_prefetch, these
-  // were never issued: 16 sequences x 450 positions took 500 us a layer from memory, 367 with them, 204 from cache.)
+  // The blocks are scattered, so the hardware prefetchers lose the stream at each one: a head's K and V rows of a
+  // block are asked for before the block is used, all at once (prefetch_block) or a row at a time (prefetch_row).
+  // (Until GCC was found dropping __builtin_prefetch, these were never issued: 16 sequences x 450 positions took
+  // 500 us a layer from memory, 367 with them, 204 from cache.)
   void prefetch_block(int64_t s, int64_t b, int64_t h) const {
     const int64_t at = head_offset(s, b, h);
     for (int64_t p = 0; p < block_size; ++p) prefetch_row(at, p);
@@ -158,9 +160,9 @@ class F32Worker {
       for (int64_t ahead = 1; b == b_begin && ahead < kBlocksAhead; ++ahead)
         if (b + ahead < b_end) pr.prefetch_block(s, b + ahead, h);
       // The block kBlocksAhead on is asked for a row at a time as this one's rows are converted. Asked for whole
-      // (128 prefetches at once, more than a core's miss buffers hold), the conversion's loads still waited on
-      // memory for 36% of the kernel's time (64 sequences x 320 positions, perf); row by row, the kernel ran
-      // 1.04-1.16x from memory (benchmarks/decode_attention_micro.py, AVX2 kind).
+      // (128 prefetches at once for float32 rows of 64 in blocks of 16, more than a core's miss buffers hold), the
+      // conversion's loads still waited on memory for 36% of the kernel's time (64 sequences x 320 positions, perf);
+      // row by row, the kernel ran 1.04-1.16x from memory (benchmarks/decode_attention_micro.py, AVX2 kind).
       const int64_t ahead_at = b + kBlocksAhead < b_end ? pr.head_offset(s, b + kBlocksAhead, h) : -1;
       const int64_t base = pr.head_offset(s, b, h);
       for (int64_t p = 0; p < n; ++p) {
