@@ -176,3 +176,20 @@ def test_quantization_int8_generates_and_a_bad_value_is_a_usage_error(capsys, en
         main(["generate", PROMPTS[0], *engine_flags, "--quantization", "int4"])
     assert exc.value.code == 2
     assert "--quantization" in capsys.readouterr().err
+
+
+def test_a_run_imports_no_compiler_unless_asked(tiny_qwen3):
+    """torch._dynamo costs ~2.4 s of every start (of ~5 s to the first step of a small model): the CLI and an
+    engine that does not compile must not import it (a decorator on a module's method and the random init of
+    layers on the meta device once did)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from qwenbatch.cli import main; "
+        f"assert main(['generate', 'hi', '--model', {str(tiny_qwen3)!r}, '--max-tokens', '2']) == 0; "
+        "print('torch._dynamo' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "False"

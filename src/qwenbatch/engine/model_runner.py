@@ -23,6 +23,7 @@ from qwenbatch.layers.attention import (
 )
 from qwenbatch.layers.cpu_kernels import greedy_tokens, mask_to_allowed, sample_tokens, token_logprobs
 from qwenbatch.layers.cpu_kernels import kernels as cpu_kernel_module
+from qwenbatch.layers.moe import run_experts_eagerly
 from qwenbatch.layers.opaque_attention import step_attention
 from qwenbatch.layers.prefill_choice import OURS, SDPA
 from qwenbatch.layers.sampler import NO_PROMPT_IDS, SamplerKernels, SamplingRow, prompt_logprobs, sample
@@ -130,7 +131,10 @@ class ModelRunner:
             else None
         )
         # --compile: one graph per step shape class, symbolic in the token count; weights frozen into it.
-        self._compiled = torch.compile(model, dynamic=True, options={"freezing": True}) if kernels.compiled else None
+        self._compiled = None
+        if kernels.compiled:
+            run_experts_eagerly(model)
+            self._compiled = torch.compile(model, dynamic=True, options={"freezing": True})
         # Which kernels run prefill and decode attention, recorded in the log and in bench JSON.
         self.decode_attention = attention_backend
         if attention_backend == "triton":

@@ -54,9 +54,6 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.act_fn = SiluAndMul()
 
-    # inductor has no lowering of the grouped matmul but a fake one that allows bf16 alone; compiled models run
-    # the experts eagerly between their compiled graphs.
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Σ over each token's chosen experts of weight × expert(x): ``x`` [tokens, hidden], ``weights`` and
         ``experts`` [tokens, top_k] from the router. Each token's terms are added in the order of their expert ids,
@@ -72,3 +69,13 @@ class GroupedExperts(nn.Module):
         out = torch._grouped_mm(self.act_fn(h), self.down_proj.transpose(1, 2), offs=group_ends)
         out = out * weights.reshape(-1)[order].unsqueeze(1)
         return torch.zeros_like(x).index_add_(0, token, out)
+
+
+def run_experts_eagerly(model: nn.Module) -> None:
+    """Keep ``torch.compile`` out of each GroupedExperts in ``model``, called before compiling it: inductor has no
+    lowering of the grouped matmul but a fake one that allows bf16 alone, so a compiled model runs its experts
+    eagerly between its graphs. (Not a decorator on ``forward``: that imports torch._dynamo, ~2.4 s of every
+    start, when the module is imported.)"""
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module.forward = torch.compiler.disable(module.forward)

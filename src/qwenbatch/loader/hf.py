@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,12 +19,26 @@ from qwenbatch.models.registry import model_class
 logger = logging.getLogger(__name__)
 
 
+@contextlib.contextmanager
+def _no_random_init() -> Iterator[None]:
+    """nn.Linear and nn.Embedding skip their random initialisation. On the meta device it computes nothing, but
+    torch runs it through its Python references, which import torch._dynamo: ~2.4 s of every start."""
+    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
+    try:
+        for cls in saved:
+            cls.reset_parameters = lambda self: None
+        yield
+    finally:
+        for cls, reset in saved.items():
+            cls.reset_parameters = reset
+
+
 def instantiate(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Build the model on the meta device, then give it uninitialised storage on ``device``.
 
     Nothing is initialised twice: the caller fills every parameter (from a checkpoint or randomly).
     """
-    with torch.device("meta"):
+    with torch.device("meta"), _no_random_init():
         model = model_class(cfg)(cfg)
     model = model.to(dtype=dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty re-creates parameters, which unties them
