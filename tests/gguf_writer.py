@@ -106,3 +106,64 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return expected
+
+
+# GGUF value types by their sizes in bytes; 8 is a string, 9 an array (gguf-py's GGUFValueType).
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+
+
+def _skip_value(data: memoryview, pos: int, kind: int) -> tuple[int, int]:
+    """(offset past the value of type ``kind`` at ``pos``, the array's length or 0)."""
+    if kind == _STRING:
+        return pos + 8 + int.from_bytes(data[pos : pos + 8], "little"), 0
+    if kind != _ARRAY:
+        return pos + _SCALAR_SIZES[kind], 0
+    item, count = int.from_bytes(data[pos : pos + 4], "little"), int.from_bytes(data[pos + 4 : pos + 12], "little")
+    pos += 12
+    if item in _SCALAR_SIZES:
+        return pos + count * _SCALAR_SIZES[item], count
+    for _ in range(count):
+        pos, _ = _skip_value(data, pos, item)
+    return pos, count
+
+
+def copy_without_vocabulary(src: Path, out: Path) -> None:
+    """Copy the GGUF file ``src`` to ``out`` less its tokenizer's arrays (tokens, types, merges), with the vocabulary
+    size they gave written as ``<arch>.vocab_size``: the same tensors, byte for byte, for readers that build a model
+    only. transformers parses every metadata field of a file twice while loading its model, ~25 s for Qwen's
+    151,936 tokens and merges."""
+    data = memoryview(src.read_bytes())
+    assert bytes(data[:4]) == b"GGUF" and int.from_bytes(data[4:8], "little") == 3, "GGUF version 3"
+    num_tensors, num_fields = int.from_bytes(data[8:16], "little"), int.from_bytes(data[16:24], "little")
+    kept, arch, vocab_size, alignment, pos = [], None, None, 32, 24
+    for _ in range(num_fields):
+        start, key_len = pos, int.from_bytes(data[pos : pos + 8], "little")
+        key = bytes(data[pos + 8 : pos + 8 + key_len]).decode()
+        kind = int.from_bytes(data[pos + 8 + key_len : pos + 12 + key_len], "little")
+        value = pos + 12 + key_len
+        pos, count = _skip_value(data, value, kind)
+        if key == "general.architecture":
+            arch = bytes(data[value + 8 : pos]).decode()
+        elif key == "general.alignment":
+            alignment = int.from_bytes(data[value:pos], "little")
+        if key == "tokenizer.ggml.tokens":
+            vocab_size = count
+        if not (key.startswith("tokenizer.") and kind == _ARRAY):
+            kept.append(data[start:pos])
+    infos_start = pos
+    for _ in range(num_tensors):
+        pos += 8 + int.from_bytes(data[pos : pos + 8], "little")  # the name
+        pos += 4 + 8 * int.from_bytes(data[pos : pos + 4], "little") + 4 + 8  # dims, type, offset
+    tensors_start = -(-pos // alignment) * alignment
+    key = f"{arch}.vocab_size".encode()
+    vocab_field = len(key).to_bytes(8, "little") + key + _UINT32.to_bytes(4, "little")
+    vocab_field += vocab_size.to_bytes(4, "little")
+    with open(out, "wb") as f:
+        f.write(bytes(data[:16]) + (len(kept) + 1).to_bytes(8, "little"))
+        for field in kept:
+            f.write(field)
+        f.write(vocab_field)
+        f.write(data[infos_start:pos])
+        f.write(bytes(-f.tell() % alignment))
+        f.write(data[tensors_start:])

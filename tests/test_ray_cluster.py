@@ -102,7 +102,7 @@ def stop_cluster(temp_dir: Path) -> None:
     for process in mine:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.send_signal(signal.SIGTERM)
-    _, alive = psutil.wait_procs(mine, timeout=15)
+    _, alive = psutil.wait_procs(mine, timeout=3)  # some of Ray's take 15 s and more to end themselves
     for process in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()

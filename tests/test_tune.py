@@ -192,13 +192,12 @@ def test_tiny_sweep_end_to_end_writes_all_four_files(tiny_qwen3, tmp_path, capsy
     workload = random_workload(6, (8, 24), (4, 6), vocab_size=vocab)  # what TINY_RANDOM asks for
     out = tmp_path / "report"
     argv = ["tune", "--model", str(tiny_qwen3), "--dtype", "float32", "--kv-cache-memory", "16MiB", *TINY_RANDOM]
-    code = main([*argv, "--max-num-seqs", "1,2,4", "--compare-static", "--output", str(out)])
+    code = main([*argv, "--max-num-seqs", "1,2", "--compare-static", "--output", str(out)])
     assert code == 0, capsys.readouterr().err
     report = json.loads((out / "report.json").read_text())
     ms = report["measurements"]
     assert [(m["system"], m["max_num_seqs"]) for m in ms] == [
-        ("qwenbatch", 1), ("qwenbatch", 2), ("qwenbatch", 4),
-        ("transformers", 1), ("transformers", 2), ("transformers", 4),
+        ("qwenbatch", 1), ("qwenbatch", 2), ("transformers", 1), ("transformers", 2),
     ]  # fmt: skip
     for m in ms:
         assert m["error"] is None

@@ -124,10 +124,10 @@ def reference_tokens(folder: Path, dtype: torch.dtype, device: str, prompts: lis
     return expected
 
 
-def parity(folder: Path, device: str, engine: dict) -> dict:
-    """(0): our greedy tokens, with and without decode graphs, against transformers' in float32."""
+def parity(folder: Path, device: str, engine: dict, steps: int) -> dict:
+    """(0): our greedy tokens (``steps`` of them), with and without decode graphs, against transformers' in
+    float32."""
     prompts = [[5, 17, 42, 99, 3, 250, 7], [300, 12], list(range(10, 200, 3)), [1] * 5 + [200, 201, 202]]
-    steps = 32
     expected = reference_tokens(folder, torch.float32, device, prompts, steps)
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     result = {}
@@ -180,12 +180,11 @@ def tiny_moe_checkpoint(folder: Path) -> Path:
     return folder
 
 
-def moe_parity(folder: Path, device: str, engine: dict) -> dict:
-    """(0''): a mixture of experts: our float32 greedy tokens (experts through torch's grouped-matmul fallback,
-    no graphs) against transformers' in float32, and bf16 with decode graphs (the one-kernel grouped matmul
-    captured) against transformers in bf16: the share of tokens that agree."""
+def moe_parity(folder: Path, device: str, engine: dict, steps: int) -> dict:
+    """(0''): a mixture of experts: our float32 greedy tokens (``steps`` of them; experts through torch's
+    grouped-matmul fallback, no graphs) against transformers' in float32, and bf16 with decode graphs (the
+    one-kernel grouped matmul captured) against transformers in bf16: the share of tokens that agree."""
     prompts = [[5, 17, 42, 99, 3, 250, 7], [300, 12], list(range(10, 200, 3))]
-    steps = 32
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     result = {}
     for dtype in ("float32", "bfloat16"):
@@ -391,20 +390,20 @@ def main() -> None:
         if args.smoke:
             common["kv_cache_memory"] = 8 * 2**20
             engine = {**common, "model": str(folder), "load_format": "dummy", "dtype": "float32"}
-            shape, n_a, in_a, out_a, n_b, len_b, b1 = TINY, 4, 24, 8, 6, (4, 40), 8
-            sizes = [2, 4]
+            shape, n_a, in_a, out_a, n_b, len_b, b1 = TINY, 4, 24, 8, 6, (4, 16), 8
+            sizes, steps = [2, 4], 8  # the interpreter runs a Triton kernel ~1,000x slower than a GPU
         else:
             common["gpu_memory_utilization"] = 0.45  # engines run one after another, but keep room
             engine = {**common, "model": "qwen3-0.6b", "load_format": "dummy", "dtype": "bfloat16"}
             shape, n_a, in_a, out_a, n_b, len_b, b1 = QWEN3_0_6B, 500, 512, 128, 256, (100, 1024), 256
-            sizes = [64, 128, 256]
+            sizes, steps = [64, 128, 256], 32
         vocab = shape["vocab_size"]
         work_a = random_workload(n_a, (in_a, in_a), (out_a, out_a), seed=0, vocab_size=vocab)
         work_b = random_workload(n_b, len_b, len_b, seed=0, vocab_size=vocab)
         phases = [  # the baseline last: it is the slowest, and a lease may end before it
-            ("parity", lambda: parity(folder, device, {**common, "max_num_seqs": 8})),
+            ("parity", lambda: parity(folder, device, {**common, "max_num_seqs": 8}, steps)),
             ("scoring_parity", lambda: scoring_parity(folder, device, common)),
-            ("moe_parity", lambda: moe_parity(tiny_moe_checkpoint(Path(tmp) / "tiny-qwen3-moe"), device, common)),
+            ("moe_parity", lambda: moe_parity(tiny_moe_checkpoint(Path(tmp) / "moe"), device, common, steps)),
             ("a", lambda: run_ours(f"qwenbatch (a) {n_a}x{in_a}->{out_a}", work_a, engine, device)),
             ("b", lambda: run_ours("qwenbatch (b) nano-vllm", work_b, engine, device)),
             ("batch1", lambda: batch1_decode(engine, device, b1, vocab)),
