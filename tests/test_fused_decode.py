@@ -25,24 +25,23 @@ def test_fused_decode_steps_give_the_layers_own_tokens_and_logprobs(request, che
         pytest.skip("oneDNN packs bf16 linears only where the CPU multiplies bf16 natively")
     folder = request.getfixturevalue(checkpoint)
     llm = LLM(model=str(folder), dtype=dtype, quantization=quantization, cpu_kernels="on", kv_cache_memory=8 * 2**20)
-    layers = llm.engine.runner.model.model.layers
-    fused = [layer.fused_decode for layer in layers]
-    assert all(f is not None for f in fused)
+    decoder = llm.engine.runner.model.model
+    assert all(layer.fused_decode is not None for layer in decoder.layers) and decoder.fused_decode is not None
     calls = 0
-    original_call = type(fused[0]).__call__
+    original_call = type(decoder.fused_decode).__call__
 
     def counting(self, *args):
         nonlocal calls
         calls += 1
         return original_call(self, *args)
 
-    type(fused[0]).__call__ = counting
+    type(decoder.fused_decode).__call__ = counting
     try:
         with_fused = _run(llm)
     finally:
-        type(fused[0]).__call__ = original_call
-    assert calls == len(layers) * 11  # every decode step (12 tokens: one from the prefill), every layer
-    for layer in layers:
+        type(decoder.fused_decode).__call__ = original_call
+    assert calls == 11  # every decode step (12 tokens: one from the prefill), all the layers in one call
+    for layer in decoder.layers:
         layer.fused_decode = None
     assert _run(llm) == with_fused  # bitwise: the same kernels, the same rounding
 

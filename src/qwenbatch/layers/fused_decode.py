@@ -85,6 +85,31 @@ class FusedDecodeLayer:
         )
 
 
+class FusedDecodeStack:
+    """All the decoder layers of a model (each with its FusedDecodeLayer) in one kernel call, for the steps every
+    layer ``accepts``: a call a layer cost ~60 us each of Python and argument conversion at batch 1 (AVX2 kind: 1.46
+    ms of a 24.9 ms step of the default model, benchmarks/decode_stack_ab.py)."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self._layers = layers  # each one's fused_decode is read at each step: a layer can be unfused later
+
+    def accepts(self, meta: AttentionMetadata) -> bool:
+        return all(layer.fused_decode is not None and layer.fused_decode.accepts(meta) for layer in self._layers)
+
+    def __call__(self, x, rope: Rope, kv_caches: list, meta: KernelAttentionMetadata):
+        """The layers' loop (``QwenModel.forward``) from the embeddings ``x``: the last layer's (output, residual)."""
+        return kernels().decode_layers(
+            x,
+            [layer.fused_decode.weights for layer in self._layers],
+            rope.cos,
+            rope.sin,
+            kv_caches,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_lens,
+        )
+
+
 def fusable(layer: nn.Module) -> bool:
     """A decoder layer with a dense MLP (not a mixture of experts) whose four linears are Int8Linear or
     PackedLinear."""
@@ -96,11 +121,14 @@ def fusable(layer: nn.Module) -> bool:
 
 
 def fuse_decode_layers(model: nn.Module) -> int:
-    """Give every fusable decoder layer of ``model`` its FusedDecodeLayer (``layer.fused_decode``); returns how
-    many. The layers keep their modules: steps with prompts run them as before."""
-    count = 0
-    for module in model.modules():
-        if hasattr(module, "fused_decode") and fusable(module):
-            module.fused_decode = FusedDecodeLayer(module)
-            count += 1
-    return count
+    """Give every fusable decoder layer of ``model`` its FusedDecodeLayer (``layer.fused_decode``), and the
+    decoder (``model.model.fused_decode``) a FusedDecodeStack where every layer is; returns how many layers. The
+    layers keep their modules: steps with prompts run them as before."""
+    layers = list(model.model.layers)
+    for layer in layers:
+        if fusable(layer):
+            layer.fused_decode = FusedDecodeLayer(layer)
+    fused = sum(layer.fused_decode is not None for layer in layers)
+    if fused == len(layers):
+        model.model.fused_decode = FusedDecodeStack(layers)
+    return fused

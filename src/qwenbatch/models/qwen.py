@@ -117,6 +117,9 @@ class QwenModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         self.layers = nn.ModuleList(QwenDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Set by the loader where every layer is fused (layers/fused_decode.py): runs them all in one call for the
+        # steps it ``accepts``, as the loop below would.
+        self.fused_decode = None
 
     def forward(
         self,
@@ -127,6 +130,9 @@ class QwenModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        if self.fused_decode is not None and self.fused_decode.accepts(meta):
+            x, residual = self.fused_decode(x, rope, kv_caches, meta)
+            return self.norm.add_and_norm(x, residual)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, rope, kv_cache, meta)

@@ -78,6 +78,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("eps", &DecodeLayerWeights::eps)
       .def_readwrite("scale", &DecodeLayerWeights::scale);
   m.def("decode_layer", &decode_layer, "one decoder layer of a step in which every row decodes", no_gil);
+  m.def("decode_layers", &decode_layers, "every decoder layer of a step in which every row decodes, in turn", no_gil);
   m.def("install_step_buffer_allocator", &install_step_buffer_allocator,
         "make PyTorch's CPU allocator one that caches freed buffers of >= 32 MiB, up to this many bytes");
   m.def("empty_step_buffer_cache", &empty_step_buffer_cache, "unmap every cached buffer");

@@ -7,6 +7,7 @@
 
 #include <string>
 #include <tuple>
+#include <vector>
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias, int64_t N, int64_t bits, bool silu_and_mul);
@@ -82,6 +83,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual, const DecodeLayerWeights& layer,
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& lens);
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& x, const std::vector<DecodeLayerWeights>& layers, const at::Tensor& cos, const at::Tensor& sin,
+    const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& lens);
 
 // The CPU allocator that caches large freed buffers (host_allocator.cpp): installed for the whole process.
 void install_step_buffer_allocator(int64_t cache_limit_bytes);
