@@ -87,8 +87,9 @@ class FusedDecodeLayer:
 
 class FusedDecodeStack:
     """All the decoder layers of a model (each with its FusedDecodeLayer) in one kernel call, for the steps every
-    layer ``accepts``: a call a layer cost ~60 us each of Python and argument conversion at batch 1 (AVX2 kind: 1.46
-    ms of a 24.9 ms step of the default model, benchmarks/decode_stack_ab.py)."""
+    layer ``accepts``. A call a layer cost ~60 us each at batch 1: ~15 of Python, the rest the OpenMP worker waking
+    after each gap between kernel calls (AVX2 kind: 1.46 ms of a 24.9 ms step of the default model,
+    benchmarks/decode_stack_ab.py)."""
 
     def __init__(self, layers: list[nn.Module]) -> None:
         self._layers = layers  # each one's fused_decode is read at each step: a layer can be unfused later
