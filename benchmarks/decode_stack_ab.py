@@ -1,8 +1,9 @@
 """Decode steps with every layer in one kernel call (FusedDecodeStack, ``decode_layers``) against one call a layer
 (each layer's FusedDecodeLayer from Python), in one process, alternating, on the default model: the same kernels,
-so the difference is the Python and argument conversions of the per-layer calls. Each round runs both sides once
-(the first side alternating by round), each side decoding one sequence of ``--steps`` tokens, and the table gives
-the median ms a step of each side and the median of the rounds' ratios. Never run by CI.
+so the difference is what the per-layer calls cost beyond them (their Python, and the OpenMP worker waking after each
+gap between two kernel calls; run it with OMP_WAIT_POLICY=ACTIVE to leave the second out). Each round runs both
+sides once (the first side alternating by round), each side decoding one sequence of ``--steps`` tokens, and the
+table gives the median ms a step of each side and the median of the rounds' ratios. Never run by CI.
 
     .venv/bin/python benchmarks/decode_stack_ab.py --rounds 9 --steps 64 --quantization int8
 """

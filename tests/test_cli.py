@@ -1,6 +1,10 @@
-"""`qwenbatch generate` in-process: output on stdout, one-line errors with exit code 2, help."""
+"""`qwenbatch generate` in-process: output on stdout, one-line errors with exit code 2, help; and a start in a
+fresh process."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
@@ -178,16 +182,13 @@ def test_quantization_int8_generates_and_a_bad_value_is_a_usage_error(capsys, en
     assert "--quantization" in capsys.readouterr().err
 
 
-def test_a_run_imports_no_compiler_unless_asked(tiny_qwen3):
+def test_a_run_without_compile_never_imports_the_compiler(engine_flags):
     """torch._dynamo costs ~2.4 s of every start (of ~5 s to the first step of a small model): the CLI and an
     engine that does not compile must not import it (a decorator on a module's method and the random init of
     layers on the meta device once did)."""
-    import subprocess
-    import sys
-
     code = (
         "import sys; from qwenbatch.cli import main; "
-        f"assert main(['generate', 'hi', '--model', {str(tiny_qwen3)!r}, '--max-tokens', '2']) == 0; "
+        f"assert main(['generate', 'hi', '--max-tokens', '2', *{engine_flags!r}]) == 0; "
         "print('torch._dynamo' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

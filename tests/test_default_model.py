@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from gguf_writer import copy_without_vocabulary
 from qwenbatch import LLM, SamplingParams
-from qwenbatch.loader.default_model import assemble_gguf, part_paths
+from qwenbatch.loader.default_model import default_gguf_path
 
 pytestmark = pytest.mark.default_model
 
@@ -35,8 +35,7 @@ def test_greedy_chat_equals_transformers_reading_the_gguf(llm, prompt_ids, tmp_p
     # The reference reads the original GGUF's tensors itself, so this also checks our dequantization and
     # tensor mapping, not only the model code.
     folder = tmp_path_factory.mktemp("gguf")
-    assemble_gguf(part_paths(), folder / "original.gguf")
-    copy_without_vocabulary(folder / "original.gguf", folder / "model.gguf")
+    copy_without_vocabulary(default_gguf_path(), folder / "model.gguf")
     ref = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file="model.gguf", dtype=torch.float32).eval()
     ours = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     for ids, output in zip(prompt_ids, ours, strict=True):

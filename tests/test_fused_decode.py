@@ -63,7 +63,8 @@ def test_a_step_mixing_fused_and_unfused_layers_gives_the_same_tokens(tiny_qwen2
 
 def test_layers_are_not_fused_without_the_cpu_kernels(tiny_qwen3):
     llm = LLM(model=str(tiny_qwen3), dtype="float32", cpu_kernels="off", kv_cache_memory=8 * 2**20)
-    assert all(layer.fused_decode is None for layer in llm.engine.runner.model.model.layers)
+    decoder = llm.engine.runner.model.model
+    assert decoder.fused_decode is None and all(layer.fused_decode is None for layer in decoder.layers)
 
 
 def test_decode_steps_of_a_row_count_run_in_pieces_keep_the_layers_own_forward(tiny_qwen3):

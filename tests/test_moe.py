@@ -36,6 +36,7 @@ def test_greedy_tokens_match_transformers_for_32_steps(tiny_moe, hf_reference, c
         kv_cache_memory=16 * 2**20,
         max_num_batched_tokens=16,
     )
+    assert llm.engine.runner.model.model.fused_decode is None  # its sparse layers are not fused: no one-call stack
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         with torch.inference_mode():

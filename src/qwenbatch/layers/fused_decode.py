@@ -5,7 +5,7 @@ qkv, the cache write, the residual adds) cost ~3 ms of a ~20 ms step, about as m
 layer sequences the same kernels with the same rounding. Steps with a prompt in them keep the layer's own
 forward. Layers whose linears are all Int8Linear or oneDNN's PackedLinear are fused: on the AMX kind, where
 oneDNN's bf16 linears are fast, the host's serial share of a bf16 decode step had the second core waiting a
-third of the time.
+third of the time. Where every layer of a model is fused, a FusedDecodeStack runs them all in one call a step.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ class FusedDecodeStack:
         self._layers = layers  # each one's fused_decode is read at each step: a layer can be unfused later
 
     def accepts(self, meta: AttentionMetadata) -> bool:
+        """The steps every layer's FusedDecodeLayer accepts (all of them still fused)."""
         return all(layer.fused_decode is not None and layer.fused_decode.accepts(meta) for layer in self._layers)
 
     def __call__(self, x, rope: Rope, kv_caches: list, meta: KernelAttentionMetadata):
@@ -130,6 +131,6 @@ def fuse_decode_layers(model: nn.Module) -> int:
         if fusable(layer):
             layer.fused_decode = FusedDecodeLayer(layer)
     fused = sum(layer.fused_decode is not None for layer in layers)
-    if fused == len(layers):
+    if layers and fused == len(layers):
         model.model.fused_decode = FusedDecodeStack(layers)
     return fused

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,18 +20,23 @@ from qwenbatch.models.registry import model_class
 logger = logging.getLogger(__name__)
 
 
+_INIT_PATCH = threading.Lock()
+
+
 @contextlib.contextmanager
 def _no_random_init() -> Iterator[None]:
-    """nn.Linear and nn.Embedding skip their random initialisation. On the meta device it computes nothing, but
-    torch runs it through its Python references, which import torch._dynamo: ~2.4 s of every start."""
-    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
-    try:
-        for cls in saved:
-            cls.reset_parameters = lambda self: None
-        yield
-    finally:
-        for cls, reset in saved.items():
-            cls.reset_parameters = reset
+    """nn.Linear and nn.Embedding skip their random initialisation, in the whole process while it lasts (a lock keeps
+    two of these from nesting). On the meta device it computes nothing, but torch runs it through its Python
+    references, which import torch._dynamo: ~2.4 s of every start."""
+    with _INIT_PATCH:
+        saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
+        try:
+            for cls in saved:
+                cls.reset_parameters = lambda self: None
+            yield
+        finally:
+            for cls, reset in saved.items():
+                cls.reset_parameters = reset
 
 
 def instantiate(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:

@@ -139,7 +139,8 @@ def prepare_kernels(
         from qwenbatch.layers.fused_decode import fuse_decode_layers
 
         fused = fuse_decode_layers(model)
-        logger.info("%d decoder layers run decode-only steps in one kernel call", fused)
+        calls = "all in one call a step" if model.model.fused_decode is not None else "one call a layer"
+        logger.info("%d decoder layers run decode-only steps in the fused kernel, %s", fused, calls)
     if dense_choice is not None:
         linear_kernels = f"{linear_kernels}, {dense_choice}"
     from qwenbatch.layers.cpu_experts import Int8Experts, PackedExperts
