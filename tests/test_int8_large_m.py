@@ -172,8 +172,9 @@ def test_decode_steps_of_as_many_rows_run_dense_too(tiny_qwen3, monkeypatch, den
     monkeypatch.setattr(int8_large_m, "choose_int8_large_m", lambda linears: int8_large_m.Int8LargeMChoice(16))
     llm = LLM(model=str(tiny_qwen3), dtype="bfloat16", kv_cache_memory=8 * 2**20, quantization="int8")
     fused_calls = []
-    real = kernels().decode_layer
-    monkeypatch.setattr(kernels(), "decode_layer", lambda x, *a: fused_calls.append(len(x)) or real(x, *a))
+    for name in ("decode_layer", "decode_layers"):  # a layer at a time, or the stack of them in one call
+        real = getattr(kernels(), name)
+        monkeypatch.setattr(kernels(), name, lambda x, *a, real=real: fused_calls.append(len(x)) or real(x, *a))
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     for batch in (20, 4):
         dense_calls.clear()
